@@ -1,0 +1,168 @@
+package pool
+
+import (
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+)
+
+// Protocol is how an upstream is dialed.
+type Protocol string
+
+const (
+	HTTP   Protocol = "http"   // HTTP proxy: CONNECT for tunnels, absolute-URI for plain requests
+	SOCKS5 Protocol = "socks5" // SOCKS5 proxy, RFC 1928/1929
+)
+
+// Kind is the provider's product type of the service an upstream belongs to.
+type Kind string
+
+const (
+	FPR Kind = "fpr" // static proxies
+	PPR Kind = "ppr" // rotating proxies, optionally with sticky sessions
+)
+
+// Upstream is one dialable proxy endpoint (DESIGN.md §2). Its exported fields
+// are set by whoever builds the upstream set and never change afterwards: a
+// changed exit IP or credential comes with the next Update. The pool keeps its
+// own mutable health state behind the unexported field, so a *Upstream handed
+// out by Pick is the key for Report and Release.
+type Upstream struct {
+	Service  int
+	Kind     Kind
+	Protocol Protocol
+	Address  string // host:port; IPv6 hosts in brackets
+	Username string
+	Password string
+	Server   string // ppr sticky session: the gateway host name ({server} of rotate)
+	Session  string // ppr sticky session id ({session} of rotate)
+	ExitIP   string // ppr sticky session: the current exit IP, when known
+
+	h *host // owned by the pool; nil on upstreams that no pool handed out
+}
+
+// ID is the stable identity of an upstream: service/protocol/address, plus
+// /session for a ppr sticky session. A refresh that yields the same ID keeps
+// the upstream's state.
+func (u *Upstream) ID() string {
+	var b strings.Builder
+	b.Grow(len(u.Address) + len(u.Session) + 24)
+	b.WriteString(strconv.Itoa(u.Service))
+	b.WriteByte('/')
+	b.WriteString(string(u.Protocol))
+	b.WriteByte('/')
+	b.WriteString(u.Address)
+	if u.Session != "" {
+		b.WriteByte('/')
+		b.WriteString(u.Session)
+	}
+	return b.String()
+}
+
+// Result is what happened when a connection was tried through an upstream:
+// success, a failure of the upstream itself (DESIGN.md §7 failure classes),
+// or something that says nothing about the upstream.
+type Result uint8
+
+const (
+	Success          Result = iota // the upstream carried the connection
+	DialRefused                    // TCP connect refused or reset
+	DialTimeout                    // TCP connect did not complete in time
+	HandshakeTimeout               // no or malformed answer to CONNECT / SOCKS in time
+	AuthRejected                   // 407, SOCKS auth failure
+	ProxyError                     // other CONNECT answers than 2xx/502/504; SOCKS 0x01, 0x07, 0x08
+	DestinationError               // the upstream worked, the destination failed (CONNECT 502/504, SOCKS 0x02–0x06)
+	Canceled                       // the client left or the daemon stopped before an answer: no verdict
+	numResults
+)
+
+var resultNames = [numResults]string{
+	Success:          "ok",
+	DialRefused:      "dial_refused",
+	DialTimeout:      "dial_timeout",
+	HandshakeTimeout: "handshake_timeout",
+	AuthRejected:     "auth_rejected",
+	ProxyError:       "proxy_error",
+	DestinationError: "destination_error",
+	Canceled:         "canceled",
+}
+
+// String is the failure class as it appears in metrics and /pool ("dial_refused").
+func (r Result) String() string {
+	if r < numResults {
+		return resultNames[r]
+	}
+	return "unknown"
+}
+
+// UpstreamFault reports whether r counts against the upstream's health.
+func (r Result) UpstreamFault() bool { return r >= DialRefused && r <= ProxyError }
+
+// FailureReasons are the label values of proxyd_upstream_failures_total.
+func FailureReasons() []string {
+	return []string{"dial_refused", "dial_timeout", "handshake_timeout", "auth_rejected", "proxy_error"}
+}
+
+// State of an upstream as /pool shows it (DESIGN.md §5).
+type State string
+
+const (
+	Healthy          State = "healthy"
+	Probing          State = "probing"
+	Ejected          State = "ejected"
+	Rotating         State = "rotating"
+	Draining         State = "draining"
+	ProviderError    State = "provider_error"
+	ProviderInactive State = "provider_inactive"
+	Quota            State = "quota"
+)
+
+// States lists every state, in /pool order; metrics pre-create a series for each.
+func States() []State {
+	return []State{Healthy, Probing, Ejected, Rotating, Draining, ProviderError, ProviderInactive, Quota}
+}
+
+// Request asks for an upstream for one connection attempt.
+type Request struct {
+	Listener string   // the listener slice to draw from (as named in Config.Listeners)
+	Key      string   // sticky key, already scoped by local user; "" for none
+	Avoid    []string // IDs of upstreams this connection already tried
+}
+
+// Explanation is what /pool shows (DESIGN.md §5). It never holds a password.
+type Explanation struct {
+	Updated   time.Time             `json:"updated"`
+	Listeners []ListenerExplanation `json:"listeners"`
+	Upstreams []UpstreamExplanation `json:"upstreams"`
+}
+
+type ListenerExplanation struct {
+	Name   string `json:"name"`
+	Usable int    `json:"usable"`
+	Total  int    `json:"total"`
+	Panic  bool   `json:"panic"`
+}
+
+type UpstreamExplanation struct {
+	ID                  string     `json:"id"`
+	Service             int        `json:"service"`
+	Kind                Kind       `json:"kind"`
+	Protocol            Protocol   `json:"protocol"`
+	Address             string     `json:"address"`
+	Server              string     `json:"server"`
+	Session             string     `json:"session"`
+	ExitIP              string     `json:"exit_ip"`
+	State               State      `json:"state"`
+	Reason              string     `json:"reason"`
+	Failures            int64      `json:"failures"`
+	ConsecutiveFailures int64      `json:"consecutive_failures"`
+	Ejections           int64      `json:"ejections"`
+	EjectedUntil        *time.Time `json:"ejected_until"`
+	InFlight            int64      `json:"in_flight"`
+}
+
+// host is the pool's mutable per-upstream state; see health.go.
+type host struct {
+	inFlight atomic.Int64
+}
