@@ -1,0 +1,125 @@
+package socks5
+
+import (
+	"fmt"
+	"io"
+	"net/netip"
+)
+
+// clientBufSize holds the largest message of the client side: the RFC 1929
+// request (1 + 1 + 255 + 1 + 255 bytes).
+const clientBufSize = 3 + 2*MaxCredentialBytes
+
+// ClientHandshake asks the SOCKS5 upstream on the other end of rw (already
+// dialed; the caller sets its deadlines) to CONNECT to dest, and returns
+// the address the upstream bound. On success rw carries the destination's
+// bytes; nothing past the reply has been read.
+//
+// It offers no-auth and, when user != "", username/password. A domain name
+// in dest is sent unresolved (ATYP 3), IP literals as ATYP 1 or 4.
+//
+// Errors: *ReplyError for a non-zero reply (see DestinationFault);
+// ErrAuthRejected when the upstream selects 0xFF or refuses the credentials;
+// ErrMalformed (wrapping the detail, and io.EOF or io.ErrUnexpectedEOF when
+// the upstream closed early) for answers that are not SOCKS5; ErrBadAddress
+// and ErrBadCredentials for arguments that cannot be sent (nothing is
+// written then); otherwise the network error, wrapped (a timeout satisfies
+// errors.Is(err, os.ErrDeadlineExceeded)).
+func ClientHandshake(rw io.ReadWriter, dest Addr, user, pass string) (bound Addr, err error) {
+	if !validHost(dest.Host) {
+		return Addr{}, errBadHost(dest.Host)
+	}
+	if len(user) > MaxCredentialBytes || len(pass) > MaxCredentialBytes {
+		return Addr{}, ErrBadCredentials
+	}
+	var buf [clientBufSize]byte
+
+	// Greeting.
+	b := append(buf[:0], VersionSOCKS5, 1, MethodNoAuth)
+	if user != "" {
+		b = append(buf[:0], VersionSOCKS5, 2, MethodNoAuth, MethodUserPass)
+	}
+	if _, err := rw.Write(b); err != nil {
+		return Addr{}, fmt.Errorf("writing greeting: %w", err)
+	}
+	if err := readFull(rw, buf[:2], "method selection"); err != nil {
+		return Addr{}, err
+	}
+	if buf[0] != VersionSOCKS5 {
+		return Addr{}, malformed(fmt.Sprintf("method selection version %#02x", buf[0]), nil)
+	}
+	switch m := buf[1]; {
+	case m == MethodNoAcceptable:
+		return Addr{}, ErrAuthRejected
+	case m == MethodNoAuth:
+	case m == MethodUserPass && user != "":
+		b = append(buf[:0], VersionUserPass, byte(len(user)))
+		b = append(b, user...)
+		b = append(b, byte(len(pass)))
+		b = append(b, pass...)
+		if _, err := rw.Write(b); err != nil {
+			return Addr{}, fmt.Errorf("writing username/password: %w", err)
+		}
+		if err := readFull(rw, buf[:2], "authentication status"); err != nil {
+			return Addr{}, err
+		}
+		// Some servers put the SOCKS version (5) instead of the
+		// subnegotiation version (1) here; the status is what matters.
+		if buf[0] != VersionUserPass && buf[0] != VersionSOCKS5 {
+			return Addr{}, malformed(fmt.Sprintf("authentication status version %#02x", buf[0]), nil)
+		}
+		if buf[1] != UserPassSucceeded {
+			return Addr{}, fmt.Errorf("%w: status %#02x", ErrAuthRejected, buf[1])
+		}
+	default:
+		return Addr{}, malformed(fmt.Sprintf("upstream selected method %#02x that was not offered", m), nil)
+	}
+
+	// Request, in one write.
+	b = append(buf[:0], VersionSOCKS5, CmdConnect, 0)
+	b = appendAddr(b, dest)
+	if _, err := rw.Write(b); err != nil {
+		return Addr{}, fmt.Errorf("writing request: %w", err)
+	}
+
+	// Reply: VER REP RSV ATYP BND.ADDR BND.PORT.
+	if err := readFull(rw, buf[:4], "reply"); err != nil {
+		return Addr{}, err
+	}
+	if buf[0] != VersionSOCKS5 {
+		return Addr{}, malformed(fmt.Sprintf("reply version %#02x", buf[0]), nil)
+	}
+	if buf[1] != ReplySucceeded {
+		// The bound address of a failure reply carries nothing of use and
+		// the connection is done; it is not read.
+		return Addr{}, &ReplyError{Code: buf[1]}
+	}
+	switch atyp := buf[3]; atyp {
+	case AtypIPv4:
+		if err := readFull(rw, buf[:4+2], "reply address"); err != nil {
+			return Addr{}, err
+		}
+		bound.Host = netip.AddrFrom4([4]byte(buf[:4])).String()
+		bound.Port = uint16(buf[4])<<8 | uint16(buf[5])
+	case AtypIPv6:
+		if err := readFull(rw, buf[:16+2], "reply address"); err != nil {
+			return Addr{}, err
+		}
+		bound.Host = netip.AddrFrom16([16]byte(buf[:16])).String()
+		bound.Port = uint16(buf[16])<<8 | uint16(buf[17])
+	case AtypDomain:
+		if err := readFull(rw, buf[:1], "reply address"); err != nil {
+			return Addr{}, err
+		}
+		n := int(buf[0])
+		if err := readFull(rw, buf[:n+2], "reply address"); err != nil {
+			return Addr{}, err
+		}
+		// The bound name is informative only; it is kept as sent.
+		bound.Host = string(buf[:n])
+		bound.Port = uint16(buf[n])<<8 | uint16(buf[n+1])
+	default:
+		return Addr{}, malformed(fmt.Sprintf("reply address type %#02x", atyp), nil)
+	}
+	return bound, nil
+}
