@@ -1,0 +1,39 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+)
+
+func cmdCheck(args []string, io stdio) int {
+	fs := flag.NewFlagSet("check", flag.ContinueOnError)
+	fs.SetOutput(io.err)
+	path := fs.String("config", defaultConfigPath, "config file")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	cfg, err := loadConfig(*path)
+	var errs configErrors
+	if err != nil && !errors.As(err, &errs) {
+		fmt.Fprintf(io.err, "proxyd check: %v\n", err)
+		return 1
+	}
+	if err == nil {
+		errs = append(errs, wireProblems(&cfg)...)
+	}
+	if len(errs) > 0 {
+		for _, e := range errs {
+			fmt.Fprintf(io.err, "%s: %v\n", *path, e)
+		}
+		fmt.Fprintf(io.err, "%d problem(s)\n", len(errs))
+		return 1
+	}
+	if _, _, _, _, err := cfg.API.credential(io.getenv); err != nil {
+		// Not fatal here: under systemd the credential may come from
+		// $CREDENTIALS_DIRECTORY or the unit's environment only.
+		fmt.Fprintf(io.err, "%s: warning: %v\n", *path, err)
+	}
+	fmt.Fprintf(io.out, "%s: ok (%d listeners)\n", *path, len(cfg.Listener))
+	return 0
+}

@@ -1,0 +1,160 @@
+package main
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestConfigFiles walks testdata/config/*.toml: each bad file must give
+// exactly the listed problems, each naming its key.
+func TestConfigFiles(t *testing.T) {
+	want := map[string][]string{
+		"good_minimal.toml": nil,
+		"good_full.toml":    nil,
+		"syntax.toml":       {`syntax error at line 2: expected '.' or ']' to end table name, but got '\n' instead`},
+		"unknown_keys.toml": {
+			"api.tokn: unknown key",
+			"listener[1].adress: unknown key",
+			"listener[1].user[0].nam: unknown key",
+			"metrics: unknown key",
+			"listener[1].address: required, e.g. \"127.0.0.1:8080\"",
+			"listener[1].user[0].name: required",
+		},
+		"bare_durations.toml": {
+			`api.timeout: a duration must be a string such as "30s", got a number`,
+			"listener[0].idle_timeout: a duration must be a string such as \"30s\", got a number",
+			`poll.ip_list: invalid duration "10" (use a number with a unit: "500ms", "30s", "10m")`,
+			"poll.network_status: must be at least 1s, got 500ms",
+		},
+		"bad_values.toml": {
+			"api.base_url: must start with https:// or http://",
+			"api.services[0]: service IDs are positive numbers, got 0",
+			`pool.strategy: must be round-robin, random, least-conn or latency, got "fastest"`,
+			`log.format: must be text or json, got "xml"`,
+			"admin.address: 0.0.0.0:9900 is not a loopback address: set admin.token or admin.token_file",
+			`listener[0].protocol: must be http or socks5, got "https"`,
+			`listener[0].upstream: must be http or socks5, got "https"`,
+			`listener[0].kind: must be "fpr", "ppr" or "", got "static"`,
+			"listener[0].address: must be host:port: address 127.0.0.1: missing port in address",
+			`listener[1].name: "a" is already the name of listener[0]`,
+			"listener[1].address: 0.0.0.0:1080 is not a loopback address: configure [[listener.user]] or allow",
+		},
+		"wrong_types.toml": {
+			"api: must be a table, got a string",
+			"listener[0].name: must be a string, got a number",
+			"listener[0].services[0]: must be a whole number, got a string",
+			"pool.failure_threshold: must be a whole number, got a string",
+		},
+	}
+	files, err := filepath.Glob("testdata/config/*.toml")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no testdata: %v", err)
+	}
+	for _, f := range files {
+		name := filepath.Base(f)
+		t.Run(name, func(t *testing.T) {
+			exp, ok := want[name]
+			if !ok {
+				t.Fatalf("no expectation for %s", name)
+			}
+			_, err := loadConfig(f)
+			var got []string
+			if err != nil {
+				var errs configErrors
+				if !errors.As(err, &errs) {
+					t.Fatalf("error is %T, want configErrors: %v", err, err)
+				}
+				for _, e := range errs {
+					got = append(got, e.Error())
+				}
+			}
+			if strings.Join(got, "\n") != strings.Join(exp, "\n") {
+				t.Errorf("problems:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(exp, "\n"))
+			}
+		})
+	}
+}
+
+func TestConfigDefaults(t *testing.T) {
+	cfg, err := parseConfig("[api]\ntoken = \"x\"\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cfg.Listener) != 2 || cfg.Listener[0].Address != "127.0.0.1:8080" || cfg.Listener[1].Protocol != "socks5" {
+		t.Fatalf("default listeners: %+v", cfg.Listener)
+	}
+	if cfg.Listener[1].Upstream != "socks5" || cfg.Listener[0].Upstream != "http" {
+		t.Errorf("upstream defaults to the listener's protocol: %q %q", cfg.Listener[0].Upstream, cfg.Listener[1].Upstream)
+	}
+	if cfg.Poll.IPList.D() != 10*time.Minute || cfg.Admin.Address != "127.0.0.1:9900" {
+		t.Errorf("defaults: %+v %+v", cfg.Poll, cfg.Admin)
+	}
+	// Defaults apply to every listener element, not by position.
+	cfg, err = parseConfig(`
+[[listener]]
+name = "a"
+protocol = "http"
+address = "127.0.0.1:1"
+idle_timeout = "1m"
+[[listener]]
+name = "b"
+protocol = "socks5"
+address = "127.0.0.1:2"
+`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Listener[0].IdleTimeout.D() != time.Minute || cfg.Listener[1].IdleTimeout.D() != 5*time.Minute || cfg.Listener[1].MaxConnections != 4096 {
+		t.Errorf("per-element defaults: %+v", cfg.Listener)
+	}
+}
+
+func TestAPICredentialPrecedence(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, s string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(s), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	tokFile := write("tokfile", "from-file\n")
+	credDir := filepath.Join(dir, "creds")
+	os.Mkdir(credDir, 0o700)
+	os.WriteFile(filepath.Join(credDir, "token"), []byte("from-credentials\n"), 0o600)
+	pwFile := write("pw", "pw-from-file\n")
+
+	env := func(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+	full := apiConfig{TokenFile: tokFile, Token: "from-config", Login: "me", Password: "pw"}
+	cases := []struct {
+		name       string
+		api        apiConfig
+		env        map[string]string
+		tok, login string
+		pw         string
+	}{
+		{"env wins", full, map[string]string{"PROXYD_API_TOKEN": "from-env", "CREDENTIALS_DIRECTORY": credDir}, "from-env", "", ""},
+		{"token_file next", full, map[string]string{"CREDENTIALS_DIRECTORY": credDir}, "from-file", "", ""},
+		{"token next", apiConfig{Token: "from-config", Login: "me", Password: "pw"}, map[string]string{"CREDENTIALS_DIRECTORY": credDir}, "from-config", "", ""},
+		{"systemd credential", apiConfig{Login: "me", Password: "pw"}, map[string]string{"CREDENTIALS_DIRECTORY": credDir}, "from-credentials", "", ""},
+		{"login password", apiConfig{Login: "me", Password: "pw"}, nil, "", "me", "pw"},
+		{"login password_file", apiConfig{Login: "me", PasswordFile: pwFile}, nil, "", "me", "pw-from-file"},
+	}
+	for _, c := range cases {
+		tok, login, pw, _, err := c.api.credential(env(c.env))
+		if err != nil || tok != c.tok || login != c.login || pw != c.pw {
+			t.Errorf("%s: got %q %q %q %v", c.name, tok, login, pw, err)
+		}
+	}
+	if _, _, _, _, err := (&apiConfig{}).credential(env(nil)); err == nil {
+		t.Error("no credential at all must be an error")
+	}
+	_, _, _, _, err := (&apiConfig{TokenFile: filepath.Join(dir, "missing")}).credential(env(nil))
+	if err == nil || !strings.Contains(err.Error(), "api.token_file: reading") {
+		t.Errorf("missing token file: %v", err)
+	}
+}

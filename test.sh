@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The whole test suite: tools the tests need, go vet, go test -race over every
+# package, then short fuzz runs of every fuzz target. Under CI=true a missing
+# tool fails the run instead of letting its tests skip.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+FUZZTIME=${FUZZTIME:-4s}
+export GOFLAGS=${GOFLAGS:--buildvcs=false}
+
+# Tools: curl (client), squid (HTTP upstream), danted (SOCKS5 upstream),
+# promtool (metrics and alert rules). Debian package names beside them.
+need=()
+command -v curl >/dev/null 2>&1 || need+=(curl)
+[ -x /usr/sbin/squid ] || need+=(squid)
+[ -x /usr/sbin/danted ] || need+=(dante-server)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
+if [ ${#need[@]} -gt 0 ]; then
+	echo "test.sh: installing ${need[*]}"
+	sudo=""
+	[ "$(id -u)" -eq 0 ] || sudo="sudo"
+	if { [ -z "$sudo" ] || command -v sudo >/dev/null 2>&1; } &&
+		$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+		$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; then
+		# The packages' own services are not ours to run; the tests start
+		# their own instances on loopback.
+		$sudo pkill -x squid 2>/dev/null || true
+		$sudo pkill -x danted 2>/dev/null || true
+		$sudo pkill -x prometheus 2>/dev/null || true
+	else
+		echo "test.sh: could not install ${need[*]}" >&2
+		if [ "${CI:-}" = "true" ]; then exit 1; fi
+		echo "test.sh: the tests that need them will be skipped" >&2
+	fi
+fi
+if [ "${CI:-}" = "true" ]; then
+	for t in curl /usr/sbin/squid /usr/sbin/danted promtool; do
+		command -v "$t" >/dev/null 2>&1 || { echo "test.sh: CI=true and $t is missing" >&2; exit 1; }
+	done
+fi
+
+echo "== go vet"
+go vet ./...
+
+echo "== go test -race"
+go test -race -count=1 -timeout 12m ./...
+
+echo "== fuzz (${FUZZTIME} each)"
+# Every func FuzzXxx in a _test.go file, run alone in its package.
+grep -rl --include='*_test.go' -E '^func Fuzz[A-Za-z0-9_]+\(' . | sort | while read -r file; do
+	pkg=./$(dirname "${file#./}")
+	grep -oE '^func Fuzz[A-Za-z0-9_]+' "$file" | sed 's/^func //' | while read -r fn; do
+		echo "fuzz $pkg $fn"
+		go test -run='^$' -fuzz="^${fn}\$" -fuzztime="$FUZZTIME" "$pkg" >/tmp/proxyd-fuzz.$$ 2>&1 || { cat /tmp/proxyd-fuzz.$$; rm -f /tmp/proxyd-fuzz.$$; exit 1; }
+	done
+done
+rm -f /tmp/proxyd-fuzz.$$
+echo "test.sh: all passed"
