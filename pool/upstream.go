@@ -3,7 +3,6 @@ package pool
 import (
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"time"
 )
 
@@ -160,9 +159,4 @@ type UpstreamExplanation struct {
 	Ejections           int64      `json:"ejections"`
 	EjectedUntil        *time.Time `json:"ejected_until"`
 	InFlight            int64      `json:"in_flight"`
-}
-
-// host is the pool's mutable per-upstream state; see health.go.
-type host struct {
-	inFlight atomic.Int64
 }

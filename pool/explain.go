@@ -1,0 +1,96 @@
+package pool
+
+import (
+	"slices"
+	"strings"
+	"time"
+)
+
+// state is h's state as /pool shows it, with the reason for it.
+func (p *Pool) state(h *host, now int64) (State, string) {
+	fl := h.flags.Load()
+	switch {
+	case fl&fDraining != 0:
+		return Draining, "removed from the provider's list"
+	case fl&fProviderInactive != 0:
+		return ProviderInactive, "on the provider's inactive list"
+	case fl&fProviderError != 0:
+		return ProviderError, "on the provider's errored list"
+	case fl&fRotating != 0:
+		if fl&fExitErrored != 0 {
+			return Rotating, "exit ip on the provider's errored list"
+		}
+		return Rotating, Result(h.reason.Load()).String()
+	case fl&fExitErrored != 0:
+		return ProviderError, "exit ip on the provider's errored list"
+	}
+	if until := h.ejectedUntil.Load(); until != 0 {
+		if now < until {
+			return Ejected, Result(h.reason.Load()).String()
+		}
+		return Probing, "ejection over, waiting for a trial connection"
+	}
+	if fl&fQuota != 0 {
+		return Quota, "service usage limit reached"
+	}
+	if h.held.Load() {
+		return Healthy, "failing, kept in by the ejection cap: " + Result(h.reason.Load()).String()
+	}
+	return Healthy, ""
+}
+
+// Explain returns what /pool shows: every upstream, current and draining, in
+// ID order, and per listener slice its usable count and panic flag. It holds
+// no password.
+func (p *Pool) Explain() Explanation {
+	p.mu.Lock()
+	s := p.snap.Load()
+	hosts := slices.Clone(s.hosts)
+	for _, h := range p.draining {
+		if h.inFlight.Load() > 0 {
+			hosts = append(hosts, h)
+		}
+	}
+	p.mu.Unlock()
+	now := p.now()
+	ns := now.UnixNano()
+	x := Explanation{Updated: s.updated.UTC(), Upstreams: make([]UpstreamExplanation, 0, len(hosts))}
+	for _, sl := range s.slices {
+		if sl == s.all {
+			continue
+		}
+		le := ListenerExplanation{Name: sl.Name, Total: len(sl.members)}
+		quota := 0
+		for _, h := range sl.members {
+			st, _ := p.state(h, ns)
+			switch st {
+			case Healthy, Probing:
+				le.Usable++
+			case Quota:
+				quota++
+			}
+			le.Panic = le.Panic || h.held.Load()
+		}
+		if le.Usable == 0 {
+			le.Usable = quota // quota upstreams serve when nothing else can
+		}
+		x.Listeners = append(x.Listeners, le)
+	}
+	slices.SortFunc(hosts, func(a, b *host) int { return strings.Compare(a.id, b.id) })
+	for _, h := range hosts {
+		u := h.cur.Load()
+		st, reason := p.state(h, ns)
+		ue := UpstreamExplanation{
+			ID: h.id, Service: u.Service, Kind: u.Kind, Protocol: u.Protocol, Address: u.Address,
+			Server: u.Server, Session: u.Session, ExitIP: u.ExitIP, State: st, Reason: reason,
+			Failures: h.failures.Load(), ConsecutiveFailures: h.consec.Load(),
+			Ejections: h.ejections.Load(), InFlight: h.inFlight.Load(),
+		}
+		if until := h.ejectedUntil.Load(); until != 0 && st == Ejected {
+			t := time.Unix(0, until).UTC()
+			ue.EjectedUntil = &t
+		}
+		x.Upstreams = append(x.Upstreams, ue)
+	}
+	return x
+}

@@ -1,0 +1,291 @@
+package pool
+
+import (
+	"sync/atomic"
+	"time"
+)
+
+// Bits of host.flags. The provider bits are recomputed by the writer (under
+// Pool.mu); fRotating belongs to the rotation, fDraining to Update.
+const (
+	fProviderError    uint32 = 1 << iota // the upstream's gateway IP is on the errored list
+	fProviderInactive                    // ... on the inactive list
+	fExitErrored                         // a ppr session whose exit IP is on the errored list
+	fQuota                               // its ppr service reached its usage limit
+	fDraining                            // removed from the set; in-flight connections finish
+	fRotating                            // a ppr session waiting for its rotation
+
+	providerBits = fProviderError | fProviderInactive | fExitErrored | fQuota
+	// excluded are the bits that keep an upstream from any new connection.
+	excluded = fProviderError | fProviderInactive | fExitErrored | fDraining | fRotating
+)
+
+// host is the pool's mutable per-upstream state, shared by every *Upstream
+// value that stands for the same ID. Everything the hot path reads is an
+// atomic; writers that must agree with each other (ejection and the ejection
+// cap) take Pool.ejectMu.
+type host struct {
+	cur atomic.Pointer[Upstream] // the current exported fields (replaced by Update and rotation)
+	rot atomic.Pointer[rotation] // non-nil while a rotation is under way
+
+	inFlight     atomic.Int64
+	ejectedUntil atomic.Int64 // unix ns; non-zero from ejection until a trial succeeds
+	consec       atomic.Int64 // consecutive upstream failures
+	failures     atomic.Int64 // all upstream failures
+	ejections    atomic.Int64
+	readmitted   atomic.Int64 // unix ns of the last re-admission
+	lastRotate   atomic.Int64 // unix ns of the last rotation request
+	ewma         atomic.Int64 // moving average of dial + handshake, ns; 0 = not measured
+	flags        atomic.Uint32
+	streak       atomic.Int32  // ejections in a row; decides the ejection's length
+	reason       atomic.Uint32 // last failure Result
+	trial        atomic.Bool   // the one trial connection of a probing upstream is out
+	held         atomic.Bool   // its ejection was refused by the ejection cap (panic)
+
+	id       string
+	addrHost string // host part of Address, as the provider's status lists name it
+}
+
+func newHost(id string, u *Upstream) *host {
+	h := &host{id: id, addrHost: hostPart(u.Address)}
+	h.reason.Store(uint32(numResults))
+	h.setCur(u)
+	return h
+}
+
+// setCur publishes a copy of u as the host's current upstream.
+func (h *host) setCur(u *Upstream) {
+	c := *u
+	c.h = h
+	h.cur.Store(&c)
+}
+
+func (h *host) isSession() bool {
+	u := h.cur.Load()
+	return u.Kind == PPR && u.Session != ""
+}
+
+// setFlags replaces the bits of mask with val.
+func (h *host) setFlags(mask, val uint32) (old uint32) {
+	for {
+		old = h.flags.Load()
+		if h.flags.CompareAndSwap(old, old&^mask|val&mask) {
+			return old
+		}
+	}
+}
+
+func hostPart(addr string) string {
+	// Like net.SplitHostPort without its errors: "[v6]:port", "host:port", "host".
+	if len(addr) > 0 && addr[0] == '[' {
+		for i := 1; i < len(addr); i++ {
+			if addr[i] == ']' {
+				return addr[1:i]
+			}
+		}
+		return addr
+	}
+	for i := len(addr) - 1; i >= 0; i-- {
+		if addr[i] == ':' {
+			return addr[:i]
+		}
+	}
+	return addr
+}
+
+// Report records the outcome of dial + handshake through u, which Pick
+// handed out; took is how long that took and feeds the latency average on
+// Success. Failures of the upstream itself count toward ejection; a failing
+// ppr sticky session is also rotated.
+func (p *Pool) Report(u *Upstream, r Result, took time.Duration) {
+	h := u.h
+	if h == nil {
+		return
+	}
+	switch {
+	case r == Success:
+		h.observe(took)
+		p.succeeded(h)
+	case r.UpstreamFault():
+		p.failed(h, r)
+	default: // destination errors and cancellations say nothing about the upstream
+		if h.ejectedUntil.Load() != 0 {
+			h.trial.Store(false) // let another connection decide
+		}
+	}
+}
+
+// Release ends an attempt or the connection it carried.
+func (p *Pool) Release(u *Upstream) {
+	if h := u.h; h != nil {
+		h.inFlight.Add(-1)
+	}
+}
+
+const ewmaShift = 2 // weight of a new sample: 1/4
+
+func (h *host) observe(took time.Duration) {
+	if took <= 0 {
+		return
+	}
+	x := int64(took)
+	for {
+		old := h.ewma.Load()
+		n := x
+		if old != 0 {
+			n = old + (x-old)>>ewmaShift
+		}
+		if h.ewma.CompareAndSwap(old, n) {
+			return
+		}
+	}
+}
+
+func (p *Pool) succeeded(h *host) {
+	if h.consec.Load() != 0 {
+		h.consec.Store(0)
+	}
+	if h.held.Load() {
+		h.held.Store(false)
+	}
+	until := h.ejectedUntil.Load()
+	if until == 0 && h.streak.Load() == 0 {
+		return
+	}
+	now := p.now().UnixNano()
+	if until != 0 {
+		if now >= until {
+			p.readmit(h, now) // the trial (or any connection after the ejection) worked
+		}
+		return
+	}
+	// A long healthy stretch since the last re-admission forgets the ejection
+	// history, so that a flap next week starts at the base duration again.
+	if now-h.readmitted.Load() >= int64(p.cfg.EjectMax) {
+		h.streak.Store(0)
+	}
+}
+
+func (p *Pool) failed(h *host, r Result) {
+	h.reason.Store(uint32(r))
+	h.failures.Add(1)
+	c := h.consec.Add(1)
+	u := h.cur.Load()
+	if f := p.opts.Hooks.Failure; f != nil {
+		f(u.Service, r)
+	}
+	if u.Kind == PPR && u.Session != "" {
+		p.requestRotate(h)
+	}
+	if until := h.ejectedUntil.Load(); until != 0 {
+		if h.trial.Load() && p.now().UnixNano() >= until {
+			p.reeject(h) // the trial failed
+		}
+		return // a late report of a connection picked before the ejection
+	}
+	if c >= int64(p.cfg.FailureThreshold) {
+		p.eject(h)
+	}
+}
+
+// eject takes h out of rotation unless that would put a listener slice
+// containing it past the ejection cap; then h stays in (panic mode).
+func (p *Pool) eject(h *host) {
+	p.ejectMu.Lock()
+	if h.ejectedUntil.Load() != 0 {
+		p.ejectMu.Unlock()
+		return
+	}
+	s := p.snap.Load()
+	u := h.cur.Load()
+	if h.flags.Load()&fDraining == 0 {
+		for _, sl := range s.slices {
+			if !sl.matches(u) {
+				continue
+			}
+			limit := int64(p.cfg.MaxEjectedShare * float64(sl.eligible.Load()))
+			if sl.ejected.Load()+1 > limit {
+				h.held.Store(true)
+				p.ejectMu.Unlock()
+				return
+			}
+		}
+		for _, sl := range s.slices {
+			if sl.matches(u) {
+				sl.ejected.Add(1)
+			}
+		}
+	}
+	now := p.now().UnixNano()
+	k := h.streak.Add(1)
+	h.trial.Store(false)
+	h.held.Store(false)
+	h.ejectedUntil.Store(now + int64(p.ejectDuration(int(k))))
+	h.ejections.Add(1)
+	p.ejectMu.Unlock()
+	p.ejected(h, u)
+}
+
+// reeject extends the ejection of a probing upstream whose trial failed; it
+// is already counted against the cap.
+func (p *Pool) reeject(h *host) {
+	p.ejectMu.Lock()
+	if h.ejectedUntil.Load() == 0 {
+		p.ejectMu.Unlock()
+		return
+	}
+	now := p.now().UnixNano()
+	k := h.streak.Add(1)
+	h.ejectedUntil.Store(now + int64(p.ejectDuration(int(k))))
+	h.trial.Store(false)
+	h.ejections.Add(1)
+	p.ejectMu.Unlock()
+	p.ejected(h, h.cur.Load())
+}
+
+func (p *Pool) ejected(h *host, u *Upstream) {
+	if f := p.opts.Hooks.Ejected; f != nil {
+		f(u.Service)
+	}
+	p.log.Info("upstream ejected", "id", h.id, "reason", Result(h.reason.Load()).String(),
+		"until", time.Unix(0, h.ejectedUntil.Load()).UTC())
+	p.notifyChanged()
+}
+
+// readmit puts an ejected upstream back into rotation.
+func (p *Pool) readmit(h *host, now int64) {
+	p.ejectMu.Lock()
+	if h.ejectedUntil.Load() == 0 {
+		p.ejectMu.Unlock()
+		return
+	}
+	h.ejectedUntil.Store(0)
+	h.trial.Store(false)
+	h.consec.Store(0)
+	h.readmitted.Store(now)
+	if h.flags.Load()&fDraining == 0 {
+		u := h.cur.Load()
+		for _, sl := range p.snap.Load().slices {
+			if sl.matches(u) {
+				sl.ejected.Add(-1)
+			}
+		}
+	}
+	p.ejectMu.Unlock()
+	p.log.Info("upstream re-admitted", "id", h.id)
+	p.notifyChanged()
+}
+
+// ejectDuration is EjectBase × 2^(k-1), capped at EjectMax, ±20 % jitter,
+// never past EjectMax.
+func (p *Pool) ejectDuration(k int) time.Duration {
+	d := p.cfg.EjectBase
+	for i := 1; i < k && d < p.cfg.EjectMax; i++ {
+		d *= 2
+	}
+	d = min(d, p.cfg.EjectMax)
+	// jitter factor in [0.8, 1.2]
+	j := float64(p.rand()>>11) / (1 << 53)
+	d = time.Duration(float64(d) * (0.8 + 0.4*j))
+	return min(d, p.cfg.EjectMax)
+}

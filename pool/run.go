@@ -1,0 +1,86 @@
+package pool
+
+import (
+	"context"
+	"time"
+)
+
+// Run does the pool's background work until ctx ends: the sticky table's
+// idle sweep, forgetting drained upstreams, the optional active probe, and
+// the Changed hook. When ctx ends it cancels running rotations, waits for
+// them and returns nil. Call it once.
+func (p *Pool) Run(ctx context.Context) error {
+	defer p.stopRotations()
+	sweep := time.NewTicker(min(max(p.cfg.StickyIdle/4, time.Second), time.Minute))
+	defer sweep.Stop()
+	var probe <-chan time.Time
+	if p.cfg.ProbeInterval > 0 {
+		t := time.NewTicker(p.cfg.ProbeInterval)
+		defer t.Stop()
+		probe = t.C
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-sweep.C:
+			p.sweep()
+		case <-probe:
+			p.probeOnce(ctx)
+		case <-p.changed:
+			if f := p.opts.Hooks.Changed; f != nil {
+				f()
+			}
+		}
+	}
+}
+
+// sweep drops idle sticky keys and drained upstreams.
+func (p *Pool) sweep() {
+	now := p.now().UnixNano()
+	for i := range p.sticky.shards {
+		p.sticky.shards[i].expire(now, int64(p.cfg.StickyIdle))
+	}
+	p.mu.Lock()
+	p.pruneDraining()
+	p.mu.Unlock()
+}
+
+// probeOnce probes ejected upstreams, as many as the minute's budget allows,
+// continuing where the last round stopped. A success re-admits the upstream.
+func (p *Pool) probeOnce(ctx context.Context) {
+	now := p.now()
+	if now.Sub(p.probeWindow) >= time.Minute {
+		p.probeWindow, p.probeUsed = now, 0
+	}
+	s := p.snap.Load()
+	n := len(s.hosts)
+	for i := 0; i < n && p.probeUsed < p.cfg.ProbeBudget && ctx.Err() == nil; i++ {
+		p.probeCursor++
+		if p.probeCursor >= n {
+			p.probeCursor = 0
+		}
+		h := s.hosts[p.probeCursor]
+		if h.ejectedUntil.Load() == 0 || h.flags.Load()&excluded != 0 {
+			continue
+		}
+		if !h.trial.CompareAndSwap(false, true) {
+			continue // a connection is trying it
+		}
+		p.probeUsed++
+		pctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeTimeout)
+		r := p.opts.Prober.Probe(pctx, h.cur.Load())
+		cancel()
+		switch {
+		case r == Success:
+			h.consec.Store(0)
+			p.readmit(h, p.now().UnixNano())
+		case r.UpstreamFault() && p.now().UnixNano() >= h.ejectedUntil.Load():
+			h.failures.Add(1)
+			h.reason.Store(uint32(r))
+			p.reeject(h) // it was probing: the probe was its trial
+		default:
+			h.trial.Store(false)
+		}
+	}
+}

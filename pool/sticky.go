@@ -1,0 +1,251 @@
+package pool
+
+import (
+	"context"
+	"hash/maphash"
+	"sync"
+	"time"
+)
+
+// stickyKey scopes a key by listener: the same key on two listeners with
+// different slices is two assignments.
+type stickyKey struct {
+	listener, key string
+}
+
+type stickyEntry struct {
+	k          stickyKey
+	h          *host
+	used       int64 // unix ns of the last pick
+	prev, next *stickyEntry
+}
+
+// stickyShard is one lock's worth of the table, with its entries in a list
+// from most (head) to least (tail) recently used.
+type stickyShard struct {
+	mu         sync.Mutex
+	m          map[stickyKey]*stickyEntry
+	head, tail *stickyEntry
+	_          [64]byte // keep shards' locks off each other's cache lines
+}
+
+// stickyTable maps keys to hosts, bounded in size and idle time. Each shard
+// holds max/len(shards) keys and evicts its least recently used one; small
+// tables have a single shard, so their eviction is exactly the oldest key.
+type stickyTable struct {
+	seed     maphash.Seed
+	shards   []stickyShard
+	mask     uint64
+	perShard int
+}
+
+func newStickyTable(max int) *stickyTable {
+	n := 1
+	for n < 64 && max/(n*2) >= 1024 {
+		n *= 2
+	}
+	t := &stickyTable{seed: maphash.MakeSeed(), shards: make([]stickyShard, n), mask: uint64(n - 1)}
+	t.perShard = (max + n - 1) / n
+	for i := range t.shards {
+		t.shards[i].m = make(map[stickyKey]*stickyEntry)
+	}
+	return t
+}
+
+func (t *stickyTable) shard(k stickyKey) *stickyShard {
+	if t.mask == 0 {
+		return &t.shards[0]
+	}
+	return &t.shards[maphash.String(t.seed, k.key)&t.mask]
+}
+
+func (s *stickyShard) unlink(e *stickyEntry) {
+	if e.prev != nil {
+		e.prev.next = e.next
+	} else {
+		s.head = e.next
+	}
+	if e.next != nil {
+		e.next.prev = e.prev
+	} else {
+		s.tail = e.prev
+	}
+	e.prev, e.next = nil, nil
+}
+
+func (s *stickyShard) pushFront(e *stickyEntry) {
+	e.next = s.head
+	if s.head != nil {
+		s.head.prev = e
+	}
+	s.head = e
+	if s.tail == nil {
+		s.tail = e
+	}
+}
+
+// get returns k's live entry, marked used at now; an idle one is dropped.
+func (s *stickyShard) get(k stickyKey, now, idle int64) *stickyEntry {
+	e := s.m[k]
+	if e == nil {
+		return nil
+	}
+	if now-e.used >= idle {
+		s.remove(e)
+		return nil
+	}
+	e.used = now
+	if s.head != e {
+		s.unlink(e)
+		s.pushFront(e)
+	}
+	return e
+}
+
+func (s *stickyShard) remove(e *stickyEntry) {
+	s.unlink(e)
+	delete(s.m, e.k)
+}
+
+func (s *stickyShard) add(k stickyKey, h *host, now int64, max int) {
+	e := &stickyEntry{k: k, h: h, used: now}
+	s.m[k] = e
+	s.pushFront(e)
+	for len(s.m) > max {
+		s.remove(s.tail)
+	}
+}
+
+// expire drops entries idle since before now-idle.
+func (s *stickyShard) expire(now, idle int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for s.tail != nil && now-s.tail.used >= idle {
+		s.remove(s.tail)
+	}
+}
+
+func (t *stickyTable) len() int {
+	n := 0
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		n += len(s.m)
+		s.mu.Unlock()
+	}
+	return n
+}
+
+// lookup returns the host k is assigned to, or nil; for tests and Explain.
+func (t *stickyTable) lookup(listener, key string) *host {
+	k := stickyKey{listener, key}
+	s := t.shard(k)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if e := s.m[k]; e != nil {
+		return e.h
+	}
+	return nil
+}
+
+// pickSticky serves a pick with a key. A known key keeps its upstream while
+// that is usable; when it is not, the key is reassigned once to the
+// strategy's pick. A key whose ppr session is rotating waits for the
+// rotation up to RotateWait, then uses another upstream for this one
+// connection. A key whose upstream this connection already tried (Avoid)
+// also uses another one for this connection only.
+func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstream, error) {
+	k := stickyKey{req.Listener, req.Key}
+	sh := p.sticky.shard(k)
+	idle := int64(p.cfg.StickyIdle)
+	rotated := false // the key's session just rotated: its new exit IP is worth trying again
+	waited := false
+	for {
+		now := p.now().UnixNano()
+		f := filter{avoid: req.Avoid, clock: p.now, now: now}
+		sh.mu.Lock()
+		e := sh.get(k, now, idle)
+		if e != nil && e.h.flags.Load()&fDraining == 0 && sl.matches(e.h.cur.Load()) {
+			h := e.h
+			if rotated {
+				f.avoid = nil
+			}
+			if f.eligible(h) && take(h) {
+				sh.mu.Unlock()
+				return h.cur.Load(), nil
+			}
+			if r := h.rot.Load(); r != nil && !waited {
+				sh.mu.Unlock()
+				done, err := p.waitRotation(ctx, r)
+				if err != nil {
+					return nil, err
+				}
+				waited = true
+				if !done {
+					// The rotation takes too long: another upstream for
+					// this connection only; the key stays.
+					return p.pickOnce(sl, req.Avoid, h)
+				}
+				rotated = r.ok
+				continue
+			}
+			if fq := (filter{avoid: f.avoid, quota: true, clock: p.now, now: now}); fq.eligible(h) {
+				// Only its service's quota keeps h out: move only if
+				// another service can serve.
+				alt := filter{avoid: req.Avoid, clock: p.now, now: now}
+				if a := p.chooseOnce(sl, &alt); a != nil {
+					e.h = a
+					sh.mu.Unlock()
+					return a.cur.Load(), nil
+				}
+				if take(h) {
+					sh.mu.Unlock()
+					return h.cur.Load(), nil
+				}
+			}
+			if fa := (filter{quota: true, clock: p.now, now: now}); fa.eligible(h) {
+				// Usable, but this connection already tried it.
+				sh.mu.Unlock()
+				return p.pickOnce(sl, req.Avoid, nil)
+			}
+		}
+		// A new key, or its upstream stopped being usable: (re)assign.
+		h := p.choose(sl, &f)
+		if h == nil {
+			sh.mu.Unlock()
+			return nil, ErrNoUpstream
+		}
+		if e != nil {
+			e.h = h
+		} else {
+			sh.add(k, h, now, p.sticky.perShard)
+		}
+		sh.mu.Unlock()
+		return h.cur.Load(), nil
+	}
+}
+
+// pickOnce picks without touching the sticky table.
+func (p *Pool) pickOnce(sl *slice, avoid []string, skip *host) (*Upstream, error) {
+	f := filter{avoid: avoid, skip: skip, clock: p.now}
+	h := p.choose(sl, &f)
+	if h == nil {
+		return nil, ErrNoUpstream
+	}
+	return h.cur.Load(), nil
+}
+
+// waitRotation waits for r up to RotateWait; done is false when the bound
+// passed first. The error is the context's.
+func (p *Pool) waitRotation(ctx context.Context, r *rotation) (done bool, err error) {
+	t := time.NewTimer(p.cfg.RotateWait)
+	defer t.Stop()
+	select {
+	case <-r.done:
+		return true, nil
+	case <-t.C:
+		return false, nil
+	case <-ctx.Done():
+		return false, context.Cause(ctx)
+	}
+}
