@@ -1,0 +1,210 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+)
+
+// Sentinels for every error condition the provider documents (PROVIDER_API.md
+// parts 5 and 7). A *APIError matches them with errors.Is; every 422 answer
+// also matches ErrUnprocessable.
+var (
+	ErrUnauthenticated          = errors.New("unauthenticated")                              // 401 "Unauthenticated"
+	ErrInvalidAuthHeader        = errors.New("invalid Authorization header")                 // 400 "Invalid Authorization header"
+	ErrInvalidCredentialsFormat = errors.New("invalid credentials format")                   // 400 "Invalid credentials format"
+	ErrProductNotFound          = errors.New("product not found")                            // 422 "... or product ID not found"
+	ErrClientNotFound           = errors.New("client not found")                             // 422 and 400 "... ClientID not found"
+	ErrNotEnoughFunds           = errors.New("not enough funds")                             // 422 "... not enough funds to order"
+	ErrIncorrectPostedData      = errors.New("incorrect posted data")                        // 422 "... Incorrect posted data"
+	ErrInvalidIPv4              = errors.New("invalid IPv4 address")                         // 422 "... Invalid IPv4 format"
+	ErrIPAlreadyBound           = errors.New("IP already bound")                             // 422 "... IP already binded"
+	ErrTooManyAttempts          = errors.New("too many attempts")                            // 429 "Too Many Attempts (updateList). Next update possible: ..."
+	ErrUnprocessable            = errors.New("unprocessable entity")                         // any 422
+	ErrBodyTooLarge             = errors.New("response body exceeds the configured maximum") // Config.MaxBody
+)
+
+// maxExcerpt bounds APIError.Body and APIError.Message.
+const maxExcerpt = 256
+
+// APIError is a non-2xx answer of the provider.
+type APIError struct {
+	Status      int       // HTTP status
+	Method      string    // request method, when known
+	Route       string    // route template, e.g. "/api/service/{id}"
+	Message     string    // the provider's message, trimmed ("error" of a JSON body, or a one-line text body)
+	Body        string    // excerpt of the response body: at most 256 bytes, valid UTF-8, "..." when cut
+	NextAllowed time.Time // 429: when the next IP list update is allowed (UTC); zero if not given
+
+	kind error // the specific sentinel, nil if none
+}
+
+// Error describes the answer without the request's credentials.
+func (e *APIError) Error() string {
+	var b strings.Builder
+	b.WriteString("provider answered ")
+	b.WriteString(strconv.Itoa(e.Status))
+	if e.Route != "" {
+		b.WriteString(" on ")
+		if e.Method != "" {
+			b.WriteString(e.Method)
+			b.WriteByte(' ')
+		}
+		b.WriteString(e.Route)
+	}
+	switch {
+	case e.Message != "":
+		b.WriteString(": ")
+		b.WriteString(e.Message)
+	case e.Body != "":
+		b.WriteString(": unexpected body ")
+		b.WriteString(strconv.Quote(e.Body))
+	default:
+		b.WriteString(": empty body")
+	}
+	return b.String()
+}
+
+// Is reports whether target is the sentinel of this answer's condition.
+func (e *APIError) Is(target error) bool {
+	if target == nil {
+		return false
+	}
+	if target == ErrUnprocessable && e.Status == 422 {
+		return true
+	}
+	return e.kind != nil && target == e.kind
+}
+
+// nextUpdateRe finds the timestamp of the 429 message.
+var nextUpdateRe = regexp.MustCompile(`(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2})`)
+
+// decodeError builds the APIError of a non-2xx answer. It never fails: a body
+// it cannot read as the provider's JSON or text form is kept as an excerpt.
+func decodeError(status int, route string, body []byte) *APIError {
+	e := &APIError{Status: status, Route: route, Body: excerpt(body, maxExcerpt)}
+	e.Message = errorMessage(body)
+	e.kind = classify(status, e.Message)
+	if status == 429 {
+		if m := nextUpdateRe.FindStringSubmatch(e.Message); m != nil {
+			if t, err := time.ParseInLocation("2006-01-02 15:04:05", m[1]+" "+m[2], time.UTC); err == nil {
+				e.NextAllowed = t
+			}
+		}
+	}
+	return e
+}
+
+// errorMessage extracts the provider's message: the "error" (or "message")
+// string of a JSON object, or a short one-line text body. Both are trimmed,
+// since some provider messages end in a space.
+func errorMessage(body []byte) string {
+	trimmed := bytes.TrimSpace(body)
+	if len(trimmed) == 0 {
+		return ""
+	}
+	if trimmed[0] == '{' {
+		var obj map[string]json.RawMessage
+		if json.Unmarshal(trimmed, &obj) == nil {
+			for _, key := range []string{"error", "message", "errors"} {
+				raw, ok := lookupFold(obj, key)
+				if !ok {
+					continue
+				}
+				var s string
+				if json.Unmarshal(raw, &s) == nil && strings.TrimSpace(s) != "" {
+					return excerpt([]byte(strings.TrimSpace(s)), maxExcerpt)
+				}
+			}
+			return ""
+		}
+	}
+	if trimmed[0] == '<' || bytes.ContainsAny(trimmed, "\r\n") || len(trimmed) > maxExcerpt || !utf8.Valid(trimmed) {
+		return "" // an HTML page or a dump: shown as Body only
+	}
+	if trimmed[0] == '"' { // a bare JSON string
+		var s string
+		if json.Unmarshal(trimmed, &s) == nil {
+			return excerpt([]byte(strings.TrimSpace(s)), maxExcerpt)
+		}
+	}
+	return string(trimmed)
+}
+
+// classify maps status and message to the specific sentinel. Messages are
+// matched loosely (case, spacing, the documented "binded") so that small
+// wording changes of the provider keep the class.
+func classify(status int, msg string) error {
+	m := strings.ToLower(strings.Join(strings.Fields(msg), " "))
+	switch status {
+	case 401:
+		return ErrUnauthenticated
+	case 429:
+		return ErrTooManyAttempts
+	}
+	switch {
+	case strings.Contains(m, "invalid authorization header"):
+		return ErrInvalidAuthHeader
+	case strings.Contains(m, "invalid credentials format"):
+		return ErrInvalidCredentialsFormat
+	case strings.Contains(m, "clientid not found") || strings.Contains(m, "client id not found") || strings.Contains(m, "client not found"):
+		return ErrClientNotFound
+	case status != 422:
+		return nil
+	case strings.Contains(m, "product id not found") || strings.Contains(m, "product not found"):
+		return ErrProductNotFound
+	case strings.Contains(m, "not enough funds") || strings.Contains(m, "insufficient"):
+		return ErrNotEnoughFunds
+	case strings.Contains(m, "incorrect posted data"):
+		return ErrIncorrectPostedData
+	case strings.Contains(m, "invalid ipv4"):
+		return ErrInvalidIPv4
+	case strings.Contains(m, "already binded") || strings.Contains(m, "already bound"):
+		return ErrIPAlreadyBound
+	}
+	return nil
+}
+
+// excerpt returns at most max bytes of b as valid UTF-8 (invalid bytes
+// become '?'); a cut body ends in "...", counted in max.
+func excerpt(b []byte, max int) string {
+	cut := false
+	if len(b) > max {
+		b = b[:max-3]
+		// Drop a rune split by the cut rather than show a replacement for it.
+		for i := 0; i < utf8.UTFMax-1 && len(b) > 0 && !utf8.FullRune(b[lastRuneStart(b):]); i++ {
+			b = b[:lastRuneStart(b)]
+		}
+		cut = true
+	}
+	s := strings.ToValidUTF8(string(b), "?")
+	if cut {
+		s += "..."
+	}
+	return s
+}
+
+// lastRuneStart returns the index where the last (possibly partial) rune of b starts.
+func lastRuneStart(b []byte) int {
+	i := len(b) - 1
+	for i > 0 && len(b)-i < utf8.UTFMax && !utf8.RuneStart(b[i]) {
+		i--
+	}
+	return i
+}
+
+// DecodeError is returned when a 2xx body cannot be decoded into the
+// endpoint's type. Its message names the route and never quotes credentials.
+type DecodeError struct {
+	Route string
+	Err   error
+}
+
+func (e *DecodeError) Error() string { return fmt.Sprintf("decoding answer of %s: %v", e.Route, e.Err) }
+func (e *DecodeError) Unwrap() error { return e.Err }

@@ -1,0 +1,192 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"strings"
+)
+
+// The sticky endpoints' bodies are undocumented (PROVIDER_API.md §4 gaps).
+// Sessions are read from common synonyms; whatever is not understood stays
+// visible in StickySession.Extra and the Raw bodies.
+
+// Field synonyms of sticky session records, as normalised keys (normKey),
+// in order of preference.
+var (
+	serverKeys  = [...]string{"server", "host", "gateway", "hostname", "gw", "node", "serverhost", "servername"}
+	sessionKeys = [...]string{"session", "sessionid", "id", "sid", "sessionname", "sessionkey"}
+	exitIPKeys  = [...]string{"exitip", "ip", "currentip", "exit", "externalip", "publicip", "outip", "newip", "exitaddress"}
+	ttlKeys     = [...]string{"ttl", "ttlminutes", "lifetime"}
+)
+
+// ParseStickyList decodes a sticky session list: an array of records, an
+// object wrapping one (under "sessions", "data", "list", ...), an object of
+// records keyed by session id, or a single record. An empty body, null, []
+// and {} are an empty list. The error is non-nil only when the body is not
+// JSON at all or has no list shape; the list (with Raw) is returned with it.
+func ParseStickyList(body []byte) (*StickyList, error) {
+	l := &StickyList{Raw: body}
+	t := bytes.TrimSpace(body)
+	if len(t) == 0 {
+		return l, nil
+	}
+	elems, err := decodeArray(t)
+	if err != nil {
+		var obj map[string]json.RawMessage
+		if json.Unmarshal(t, &obj) != nil {
+			return l, fmt.Errorf("parsing sticky sessions: %w", err)
+		}
+		if s, ok := sessionFromObject(obj); ok && (s.Server != "" || s.Session != "") {
+			l.Sessions = append(l.Sessions, s)
+			return l, nil
+		}
+		// Records keyed by session id.
+		keys := make([]string, 0, len(obj))
+		for k := range obj {
+			keys = append(keys, k)
+		}
+		sortKeys(keys)
+		for _, k := range keys {
+			var rec map[string]json.RawMessage
+			if json.Unmarshal(obj[k], &rec) != nil {
+				return l, fmt.Errorf("parsing sticky sessions: %w", err)
+			}
+			s, _ := sessionFromObject(rec)
+			if s.Session == "" {
+				s.Session = k
+			}
+			l.Sessions = append(l.Sessions, s)
+		}
+		return l, nil
+	}
+	for _, raw := range elems {
+		raw = bytes.TrimSpace(raw)
+		switch {
+		case len(raw) > 0 && raw[0] == '{':
+			var obj map[string]json.RawMessage
+			if json.Unmarshal(raw, &obj) != nil {
+				l.Skipped++
+				continue
+			}
+			s, _ := sessionFromObject(obj)
+			l.Sessions = append(l.Sessions, s)
+		case len(raw) > 0 && raw[0] == '"':
+			var id string
+			if json.Unmarshal(raw, &id) != nil || id == "" {
+				l.Skipped++
+				continue
+			}
+			l.Sessions = append(l.Sessions, StickySession{Session: id})
+		default:
+			l.Skipped++
+		}
+	}
+	return l, nil
+}
+
+// sessionFromObject reads a session record; ok reports whether any known
+// field was found. For each field the most preferred synonym whose value
+// can be read wins; every other key goes to Extra.
+func sessionFromObject(obj map[string]json.RawMessage) (StickySession, bool) {
+	var s StickySession
+	keys := make([]string, 0, len(obj))
+	for k := range obj {
+		keys = append(keys, k)
+	}
+	sortKeys(keys) // duplicates resolve the same way every time
+	used := map[string]bool{}
+	setText := func(dst *string, syns []string) {
+		for _, syn := range syns {
+			for _, k := range keys {
+				var t text
+				if normKey(k) == syn && json.Unmarshal(obj[k], &t) == nil {
+					*dst, used[k] = string(t), true
+					return
+				}
+			}
+		}
+	}
+	setInt := func(dst *int, syns []string) {
+		for _, syn := range syns {
+			for _, k := range keys {
+				if normKey(k) != syn {
+					continue
+				}
+				if n, err := parseInt(obj[k]); err == nil {
+					*dst, used[k] = n, true
+					return
+				}
+			}
+		}
+	}
+	setText(&s.Server, serverKeys[:])
+	setText(&s.Session, sessionKeys[:])
+	setText(&s.ExitIP, exitIPKeys[:])
+	setInt(&s.Port, []string{"port"})
+	setInt(&s.TTL, ttlKeys[:])
+	for _, k := range keys {
+		if !used[k] {
+			if s.Extra == nil {
+				s.Extra = map[string]json.RawMessage{}
+			}
+			s.Extra[k] = obj[k]
+		}
+	}
+	if s.Port == 0 && s.Server != "" {
+		if h, pt, ok := parseHostPort(s.Server); ok {
+			s.Server, s.Port = h, pt
+		}
+	}
+	return s, len(used) > 0
+}
+
+// findExitIP looks for an IP address under a known exit-IP key in a JSON
+// body, preferring shallow matches, or takes a body that is itself an IP.
+func findExitIP(body []byte) string {
+	t := bytes.TrimSpace(body)
+	if a, err := netip.ParseAddr(strings.Trim(string(t), `"`)); err == nil {
+		return a.String()
+	}
+	var v any
+	if json.Unmarshal(t, &v) != nil {
+		return ""
+	}
+	level := []any{v}
+	for depth := 0; depth < 5 && len(level) > 0; depth++ {
+		var next []any
+		for _, node := range level {
+			switch n := node.(type) {
+			case map[string]any:
+				keys := make([]string, 0, len(n))
+				for k := range n {
+					keys = append(keys, k)
+				}
+				sortKeys(keys)
+				best, bestRank := "", len(exitIPKeys)
+				for _, k := range keys {
+					nk := normKey(k)
+					for r, ek := range exitIPKeys {
+						if nk != ek || r >= bestRank {
+							continue
+						}
+						if s, ok := n[k].(string); ok {
+							if a, err := netip.ParseAddr(strings.TrimSpace(s)); err == nil {
+								best, bestRank = a.String(), r
+							}
+						}
+					}
+					next = append(next, n[k])
+				}
+				if best != "" {
+					return best
+				}
+			case []any:
+				next = append(next, n...)
+			}
+		}
+		level = next
+	}
+	return ""
+}
