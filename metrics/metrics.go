@@ -1,0 +1,395 @@
+// Package metrics holds proxyd's Prometheus metrics (DESIGN.md §6) on a
+// registry made in main, the Grafana dashboard (grafana/proxyd.json) and the
+// alert rules (alerts.yml) that ship with them.
+//
+// Two kinds of metrics live here. Events (connections, bytes, retries, dials,
+// upstream failures, ejections, rotations, API requests) are counters and
+// histograms whose label values are bound in advance, so that the connection
+// path does a few atomic adds and nothing else. Things that come and go
+// (upstreams by state, listener health, the provider account, the age of the
+// pool state) are built at scrape time from the last snapshot handed in, in
+// the manner of node_exporter's collectors, so nothing that left stays behind
+// as a stale series.
+//
+// Left out: labels that identify an upstream, a client, a destination or a
+// user. Per-upstream detail belongs to the admin /pool endpoint. The package
+// never imports forward's or pool's implementations, only their contract
+// types, and it does not serve HTTP itself: Handler is mounted by main.
+package metrics
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"runtime"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/proxyd/proxyd/forward"
+	"github.com/proxyd/proxyd/pool"
+)
+
+const namespace = "proxyd"
+
+// Options configures New. The zero value is valid apart from the registry
+// requirement described at Gatherer.
+type Options struct {
+	// Version is proxyd's version, the version label of proxyd_build_info.
+	// Default "unknown".
+	Version string
+	// Listeners are the names of the configured listeners; their series
+	// exist at zero from the start. More can be added with AddListener.
+	Listeners []string
+	// Services are the IDs of the served services; their series exist at
+	// zero from the start. SetServices replaces the set after a reload.
+	Services []int
+	// Gatherer is what Handler serves. Default: the registerer given to New,
+	// which must then be a *prometheus.Registry.
+	Gatherer prometheus.Gatherer
+	// Now is the clock for ages computed at scrape time. Default time.Now.
+	Now func() time.Time
+}
+
+// Validate reports the first problem with o.
+func (o Options) Validate() error {
+	seen := make(map[string]bool, len(o.Listeners))
+	for _, l := range o.Listeners {
+		if l == "" {
+			return errors.New("validating listeners: empty listener name")
+		}
+		if seen[l] {
+			return fmt.Errorf("validating listeners: duplicate listener %q", l)
+		}
+		seen[l] = true
+	}
+	for _, s := range o.Services {
+		if s <= 0 {
+			return fmt.Errorf("validating services: service ID %d is not positive", s)
+		}
+	}
+	return nil
+}
+
+// Account is the provider-side view of the account that the agent polls.
+type Account struct {
+	Credit   float64 // USD
+	Known    bool    // Credit has been read at least once
+	Services []ServiceInfo
+}
+
+// ServiceInfo is one service of the account as the provider describes it.
+type ServiceInfo struct {
+	ID      int
+	Product string    // product name
+	Kind    string    // "fpr" or "ppr"
+	Status  string    // provider status ("Active", "Suspended", ...)
+	Due     time.Time // next due date; zero when unknown
+}
+
+// Metrics owns every proxyd metric. All methods are safe for concurrent use.
+type Metrics struct {
+	now      func() time.Time
+	gatherer prometheus.Gatherer
+	routes   map[string]bool // APIRoutes
+	reasons  map[string]bool // pool.FailureReasons
+
+	failures    *prometheus.CounterVec
+	ejections   *prometheus.CounterVec
+	rotations   *prometheus.CounterVec
+	apiRequests *prometheus.CounterVec
+	apiSeconds  *prometheus.HistogramVec
+	poolUpdated prometheus.Gauge
+	usageRate   *prometheus.GaugeVec
+	usageLimit  *prometheus.GaugeVec
+	reloadOK    prometheus.Gauge
+	reloadTime  prometheus.Gauge
+
+	stateTime atomic.Int64 // unix nanoseconds; 0 = no state yet
+
+	mu         sync.Mutex
+	listeners  map[string]*listenerObserver
+	services   map[int]bool
+	account    Account
+	poolSource func() pool.Explanation
+}
+
+// New makes every metric of DESIGN.md §6, registers it with the Go and
+// process collectors on reg, and creates the series of the known label
+// values at zero.
+func New(reg prometheus.Registerer, o Options) (*Metrics, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	if reg == nil {
+		return nil, errors.New("making metrics: nil registerer")
+	}
+	g := o.Gatherer
+	if g == nil {
+		r, ok := reg.(*prometheus.Registry)
+		if !ok {
+			return nil, errors.New("making metrics: registerer is not a *prometheus.Registry and Options.Gatherer is nil")
+		}
+		g = r
+	}
+	version := o.Version
+	if version == "" {
+		version = "unknown"
+	}
+	m := &Metrics{
+		now:       o.Now,
+		gatherer:  g,
+		routes:    make(map[string]bool),
+		reasons:   make(map[string]bool),
+		listeners: make(map[string]*listenerObserver),
+		services:  make(map[int]bool),
+	}
+	if m.now == nil {
+		m.now = time.Now
+	}
+	for _, r := range APIRoutes() {
+		m.routes[r] = true
+	}
+	for _, r := range pool.FailureReasons() {
+		m.reasons[r] = true
+	}
+
+	m.failures = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Name: "upstream_failures_total",
+		Help: "Failures of upstreams themselves, by service and failure class.",
+	}, []string{"service", "reason"})
+	m.ejections = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Name: "ejections_total",
+		Help: "Upstreams ejected after consecutive failures, by service.",
+	}, []string{"service"})
+	m.rotations = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Name: "sticky_rotations_total",
+		Help: "Sticky session rotations requested from the provider, by service and result.",
+	}, []string{"service", "result"})
+	m.apiRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Name: "api_requests_total",
+		Help: "Provider API requests, by route template and HTTP status (error: no answer).",
+	}, []string{"endpoint", "code"})
+	m.apiSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: namespace, Name: "api_request_seconds",
+		Help:    "Provider API request latency, by route template.",
+		Buckets: []float64{.05, .1, .25, .5, 1, 2.5, 5, 10, 15, 30},
+	}, []string{"endpoint"})
+	m.poolUpdated = prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "pool_last_update_timestamp_seconds",
+		Help: "When the upstream pool last took a new snapshot, as a Unix time.",
+	})
+	m.usageRate = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "usage_rate",
+		Help: "Usage of a ppr service as the provider's rate endpoint reports it.",
+	}, []string{"service"})
+	m.usageLimit = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "usage_limit",
+		Help: "Usage limit of a ppr service as the provider's rate endpoint reports it.",
+	}, []string{"service"})
+	m.reloadOK = prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "config_last_reload_successful",
+		Help: "Whether the last configuration load or reload succeeded (1) or was refused (0).",
+	})
+	m.reloadTime = prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "config_last_reload_success_timestamp_seconds",
+		Help: "When the configuration was last loaded successfully, as a Unix time.",
+	})
+	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "build_info",
+		Help:        "Always 1; the labels say which proxyd this is.",
+		ConstLabels: prometheus.Labels{"version": version, "goversion": runtime.Version()},
+	})
+	buildInfo.Set(1)
+	m.reloadOK.Set(1)
+	m.reloadTime.Set(unixSeconds(m.now()))
+
+	cs := []prometheus.Collector{
+		newConnCollector(m),
+		m.failures, m.ejections, m.rotations, m.apiRequests, m.apiSeconds,
+		m.poolUpdated, m.usageRate, m.usageLimit, m.reloadOK, m.reloadTime, buildInfo,
+		newScrapeCollector(m),
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	}
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("registering metrics: %w", err)
+		}
+	}
+
+	for _, r := range APIRoutes() {
+		m.apiSeconds.WithLabelValues(r)
+		m.apiRequests.WithLabelValues(r, "200")
+		m.apiRequests.WithLabelValues(r, "error")
+	}
+	for _, l := range o.Listeners {
+		m.AddListener(l)
+	}
+	m.SetServices(o.Services)
+	return m, nil
+}
+
+// Handler serves the exposition of the gatherer chosen in New. A collector
+// that fails does not hide the others.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.gatherer, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
+}
+
+// AddListener creates the series of a listener at zero. It is idempotent;
+// Listener calls it.
+func (m *Metrics) AddListener(name string) {
+	m.listenerObserver(name)
+}
+
+func (m *Metrics) listenerObserver(name string) *listenerObserver {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if l, ok := m.listeners[name]; ok {
+		return l
+	}
+	l := &listenerObserver{name: name}
+	m.listeners[name] = l
+	return l
+}
+
+// Listener returns the observer of one listener's connections, with every
+// series bound in advance: its methods do neither allocation nor lookup.
+func (m *Metrics) Listener(name string) forward.Observer {
+	return m.listenerObserver(name)
+}
+
+// SetServices replaces the set of served services after a reload or an
+// account poll: new services get their series at zero, and the usage gauges
+// of services that left are removed. Their counters stay, as counters do.
+func (m *Metrics) SetServices(ids []int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	next := make(map[int]bool, len(ids))
+	for _, id := range ids {
+		next[id] = true
+		if m.services[id] {
+			continue
+		}
+		s := strconv.Itoa(id)
+		for _, r := range pool.FailureReasons() {
+			m.failures.WithLabelValues(s, r)
+		}
+		for _, r := range RotationResults() {
+			m.rotations.WithLabelValues(s, r)
+		}
+		m.ejections.WithLabelValues(s)
+	}
+	for id := range m.services {
+		if !next[id] {
+			s := strconv.Itoa(id)
+			m.usageRate.DeleteLabelValues(s)
+			m.usageLimit.DeleteLabelValues(s)
+		}
+	}
+	m.services = next
+}
+
+// UpstreamFailure counts a failure of an upstream of service. Only the
+// classes of pool.FailureReasons() are counted: the other results
+// (ok, destination_error, canceled) say nothing about the upstream.
+func (m *Metrics) UpstreamFailure(service int, reason string) {
+	if !m.reasons[reason] {
+		return
+	}
+	m.failures.WithLabelValues(strconv.Itoa(service), reason).Inc()
+}
+
+// Ejection counts an ejection of an upstream of service.
+func (m *Metrics) Ejection(service int) {
+	m.ejections.WithLabelValues(strconv.Itoa(service)).Inc()
+}
+
+// Rotation counts a sticky rotation of a session of service; result is one
+// of RotationResults(), anything else counts as "error".
+func (m *Metrics) Rotation(service int, result string) {
+	switch result {
+	case "ok", "error", "rate_limited":
+	default:
+		result = "error"
+	}
+	m.rotations.WithLabelValues(strconv.Itoa(service), result).Inc()
+}
+
+// APIRequest counts one provider API request. route is the route template
+// (one of APIRoutes, optionally after a method: "GET /api/services"); code is
+// the HTTP status or "error" when no answer came. Its signature is that of
+// the agent's observe hook.
+func (m *Metrics) APIRequest(route, code string, took time.Duration) {
+	r := normalizeRoute(m.routes, route)
+	m.apiRequests.WithLabelValues(r, normalizeCode(code)).Inc()
+	m.apiSeconds.WithLabelValues(r).Observe(took.Seconds())
+}
+
+// SetAccount keeps the last account data; credit, proxyd_service_info and
+// proxyd_service_due_timestamp_seconds are built from it at scrape time.
+func (m *Metrics) SetAccount(a Account) {
+	a.Services = slices.Clone(a.Services)
+	m.mu.Lock()
+	m.account = a
+	m.mu.Unlock()
+}
+
+// SetUsage sets the usage rate and limit of a ppr service.
+func (m *Metrics) SetUsage(service int, rate, limit float64) {
+	s := strconv.Itoa(service)
+	m.usageRate.WithLabelValues(s).Set(rate)
+	m.usageLimit.WithLabelValues(s).Set(limit)
+}
+
+// ConfigReloaded records the outcome of a configuration reload. The initial
+// load is counted as a success by New.
+func (m *Metrics) ConfigReloaded(ok bool) {
+	if !ok {
+		m.reloadOK.Set(0)
+		return
+	}
+	m.reloadOK.Set(1)
+	m.reloadTime.Set(unixSeconds(m.now()))
+}
+
+// PoolUpdated records when the pool took a new snapshot.
+func (m *Metrics) PoolUpdated(t time.Time) {
+	if t.IsZero() {
+		return
+	}
+	m.poolUpdated.Set(unixSeconds(t))
+}
+
+// SetStateTime records the time of the pool state being served (the time of
+// the last good provider data, also after it was loaded from the state
+// file); proxyd_state_age_seconds is now minus t, computed at scrape time.
+// Until it is first called the age is not exposed.
+func (m *Metrics) SetStateTime(t time.Time) {
+	if t.IsZero() {
+		return
+	}
+	m.stateTime.Store(t.UnixNano())
+}
+
+// StateSaved is SetStateTime named for its call site: the pool state taken
+// at t was just saved.
+func (m *Metrics) StateSaved(t time.Time) { m.SetStateTime(t) }
+
+// SetPoolSource sets the function that the scrape-time collector calls for
+// proxyd_upstreams, proxyd_listener_usable_upstreams and
+// proxyd_listener_panic. Until it is set those metrics are not exposed:
+// unknown is not zero.
+func (m *Metrics) SetPoolSource(f func() pool.Explanation) {
+	m.mu.Lock()
+	m.poolSource = f
+	m.mu.Unlock()
+}
+
+func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
