@@ -1,0 +1,330 @@
+package pool
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestConfigValidate(t *testing.T) {
+	tests := []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{}, ""},
+		{Config{Strategy: "latency", MaxEjectedShare: 1}, ""},
+		{Config{Strategy: "fastest"}, `strategy: must be round-robin, random, least-conn or latency, got "fastest"`},
+		{Config{FailureThreshold: -1}, "failure_threshold: must not be negative, got -1"},
+		{Config{EjectBase: -time.Second}, "eject_base: must not be negative, got -1s"},
+		{Config{MaxEjectedShare: 1.5}, "max_ejected_share: must be within 0–1, got 1.5"},
+		{Config{EjectBase: time.Minute, EjectMax: time.Second}, "eject_max: must not be less than eject_base (1m0s), got 1s"},
+		{Config{EjectBase: 10 * time.Minute}, "eject_max: must not be less than eject_base (10m0s), got 5m0s"},
+		{Config{StickyMax: -5}, "sticky_max: must not be negative, got -5"},
+		{Config{RotateWait: -1}, "rotate_wait: must not be negative, got -1ns"},
+		{Config{ProbeBudget: -1}, "probe_budget: must not be negative, got -1"},
+	}
+	for _, tt := range tests {
+		err := tt.cfg.Validate()
+		got := ""
+		if err != nil {
+			got = err.Error()
+		}
+		if got != tt.want {
+			t.Errorf("Validate(%+v) = %q, want %q", tt.cfg, got, tt.want)
+		}
+	}
+	if _, err := New(Config{ProbeInterval: time.Second}, Options{}); err == nil {
+		t.Errorf("New with probe_interval and no Prober: no error")
+	}
+	d := Config{}.withDefaults()
+	want := Config{Strategy: RoundRobin, FailureThreshold: 3, EjectBase: 30 * time.Second, EjectMax: 5 * time.Minute,
+		MaxEjectedShare: 0.5, LatencyTolerance: 0.2, StickyIdle: 30 * time.Minute, StickyMax: 100000,
+		RotateInterval: 30 * time.Second, RotateWait: 5 * time.Second, ProbeBudget: 10, ProbeTimeout: 10 * time.Second}
+	if d != want {
+		t.Errorf("defaults = %+v, want %+v", d, want)
+	}
+}
+
+func TestAppendIDMatchesID(t *testing.T) {
+	for _, u := range append(ups(7, 2), sessions(9, 2, "198.51.100.1")...) {
+		if got := string(appendID(nil, &u)); got != u.ID() {
+			t.Errorf("appendID = %q, ID() = %q", got, u.ID())
+		}
+	}
+	u := Upstream{Service: 101, Protocol: HTTP, Address: "[2001:db8::1]:8080"}
+	if got, want := u.ID(), "101/http/[2001:db8::1]:8080"; got != want {
+		t.Errorf("ID = %q, want %q", got, want)
+	}
+	for addr, want := range map[string]string{"1.2.3.4:80": "1.2.3.4", "[2001:db8::1]:80": "2001:db8::1", "gw.example": "gw.example"} {
+		if got := hostPart(addr); got != want {
+			t.Errorf("hostPart(%q) = %q, want %q", addr, got, want)
+		}
+	}
+}
+
+func TestListenerSlices(t *testing.T) {
+	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	socks := ups(2, 3)
+	for i := range socks {
+		socks[i].Protocol = SOCKS5
+	}
+	all := append(append(ups(1, 3), socks...), sessions(3, 2, "198.51.100.1")...)
+	p.Update(all)
+	if u := pickReport(t, p, Request{Listener: "anything"}, Success); u == nil {
+		t.Fatal("no listeners set: want the whole set")
+	}
+	p.SetListeners([]ListenerSlice{
+		{Name: "http", Protocol: HTTP},
+		{Name: "socks", Protocol: SOCKS5},
+		{Name: "static", Kind: FPR, Services: []int{1, 2}},
+		{Name: "ppr", Kind: PPR},
+	})
+	check := func(listener string, ok func(*Upstream) bool, total int) {
+		t.Helper()
+		for range 20 {
+			u := pickReport(t, p, Request{Listener: listener}, Success)
+			if !ok(u) {
+				t.Errorf("listener %s picked %s", listener, u.ID())
+			}
+		}
+		if l := listenerOf(t, p, listener); l.Total != total || l.Usable != total {
+			t.Errorf("listener %s: %+v, want total and usable %d", listener, l, total)
+		}
+	}
+	check("http", func(u *Upstream) bool { return u.Protocol == HTTP }, 5)
+	check("socks", func(u *Upstream) bool { return u.Protocol == SOCKS5 }, 3)
+	check("static", func(u *Upstream) bool { return u.Kind == FPR }, 6)
+	check("ppr", func(u *Upstream) bool { return u.Kind == PPR }, 2)
+	if _, err := p.Pick(context.Background(), Request{Listener: "nope"}); !errors.Is(err, ErrUnknownListener) {
+		t.Errorf("unknown listener: err = %v", err)
+	}
+}
+
+func TestProviderExclusion(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{}, Options{Now: clk.Now})
+	set := append(ups(1, 4), ups(2, 2)...)
+	p.Update(set)
+	bad, idle := set[0], set[1]
+	p.SetProviderStatus(1, []string{"10.1.0.0"}, []string{"10.1.0.1", "10.2.0.0"}) // 10.2.0.0 is service 2's, not 1's
+	for range 50 {
+		u := pickReport(t, p, Request{}, Success)
+		if u.ID() == bad.ID() || u.ID() == idle.ID() {
+			t.Fatalf("picked provider-excluded %s", u.ID())
+		}
+	}
+	if s := stateOf(t, p, bad.ID()); s.State != ProviderError {
+		t.Errorf("errored upstream state = %s", s.State)
+	}
+	if s := stateOf(t, p, idle.ID()); s.State != ProviderInactive {
+		t.Errorf("inactive upstream state = %s", s.State)
+	}
+	if s := stateOf(t, p, set[4].ID()); s.State != Healthy {
+		t.Errorf("service 2's upstream with a listed IP of service 1: state = %s", s.State)
+	}
+	// A refresh keeps the exclusion; new upstreams get it from the start.
+	more := append(set, Upstream{Service: 1, Kind: FPR, Protocol: SOCKS5, Address: "10.1.0.0:1080"})
+	p.Update(more)
+	if s := stateOf(t, p, more[6].ID()); s.State != ProviderError {
+		t.Errorf("new upstream on an errored IP: state = %s", s.State)
+	}
+	// Cleared at once.
+	p.SetProviderStatus(1, nil, nil)
+	seen := map[string]bool{}
+	for range 50 {
+		seen[pickReport(t, p, Request{}, Success).ID()] = true
+	}
+	if !seen[bad.ID()] || !seen[idle.ID()] {
+		t.Errorf("after clearing: picked %v, want both formerly excluded", seen)
+	}
+	// Everything excluded: no upstream.
+	p.SetProviderStatus(1, []string{"10.1.0.0", "10.1.0.1", "10.1.0.2", "10.1.0.3"}, nil)
+	p.SetProviderStatus(2, nil, []string{"10.2.0.0", "10.2.0.1"})
+	if _, err := p.Pick(context.Background(), Request{}); !errors.Is(err, ErrNoUpstream) {
+		t.Errorf("all excluded: err = %v, want ErrNoUpstream", err)
+	}
+}
+
+func TestSessionGatewayExcludedExitIPNot(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{}, Options{Now: clk.Now}) // no Rotator
+	ss := append(sessions(5, 2, "198.51.100.1"), sessions(6, 1, "198.51.100.2")...)
+	p.Update(ss)
+	p.SetProviderStatus(5, nil, []string{"198.51.100.1"})
+	for range 10 {
+		if u := pickReport(t, p, Request{}, Success); u.Service != 6 {
+			t.Fatalf("picked %s behind an inactive gateway", u.ID())
+		}
+	}
+	if s := stateOf(t, p, ss[0].ID()); s.State != ProviderInactive {
+		t.Errorf("state = %s", s.State)
+	}
+	// An errored exit IP without a Rotator: excluded as provider_error.
+	p.SetProviderStatus(5, []string{ss[1].ExitIP}, nil)
+	if s := stateOf(t, p, ss[1].ID()); s.State != ProviderError || !strings.Contains(s.Reason, "exit ip") {
+		t.Errorf("errored exit ip: %s %q", s.State, s.Reason)
+	}
+	if s := stateOf(t, p, ss[0].ID()); s.State != Healthy {
+		t.Errorf("other session: %s", s.State)
+	}
+}
+
+func TestQuota(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{}, Options{Now: clk.Now})
+	a, b := sessions(1, 3, "198.51.100.1"), ups(2, 2)
+	for i := range a {
+		a[i].Session = "" // plain rotating upstreams
+		a[i].Address = a[i].ExitIP + ":9000"
+	}
+	p.Update(append(a, b...))
+	p.SetListeners([]ListenerSlice{{Name: "all"}, {Name: "ppr", Kind: PPR}})
+	p.SetQuota(1, true)
+	for range 30 {
+		if u := pickReport(t, p, Request{Listener: "all"}, Success); u.Service != 2 {
+			t.Fatalf("picked %s of a service in quota while another can serve", u.ID())
+		}
+	}
+	if s := stateOf(t, p, a[0].ID()); s.State != Quota {
+		t.Errorf("state = %s, want quota", s.State)
+	}
+	// Where only the quota service can serve, it still serves.
+	if u := pickReport(t, p, Request{Listener: "ppr"}, Success); u.Service != 1 {
+		t.Errorf("ppr listener picked %s", u.ID())
+	}
+	if l := listenerOf(t, p, "ppr"); l.Usable != 3 {
+		t.Errorf("ppr listener usable = %d, want 3 (quota serves when nothing else can)", l.Usable)
+	}
+	// Once the other service is gone (excluded), the quota service serves.
+	p.SetProviderStatus(2, []string{"10.2.0.0", "10.2.0.1"}, nil)
+	if u := pickReport(t, p, Request{Listener: "all"}, Success); u.Service != 1 {
+		t.Errorf("picked %s", u.ID())
+	}
+	p.SetProviderStatus(2, nil, nil)
+	p.SetQuota(1, false)
+	seen := map[int]bool{}
+	for range 20 {
+		seen[pickReport(t, p, Request{Listener: "all"}, Success).Service] = true
+	}
+	if !seen[1] || !seen[2] {
+		t.Errorf("after quota lifted: services %v", seen)
+	}
+}
+
+func TestUpdateKeepsStateAndDrains(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now})
+	set := ups(1, 4)
+	p.Update(set)
+	ej := handle(p, set[0])
+	fail(p, ej, 3)
+	if s := stateOf(t, p, ej.ID()); s.State != Ejected {
+		t.Fatalf("state = %s, want ejected", s.State)
+	}
+	busy := handle(p, set[1])
+	fail(p, busy, 2)
+	// Hold a connection on set[3], which the refresh removes.
+	var gone *Upstream
+	for gone == nil || gone.ID() != set[3].ID() {
+		if gone != nil {
+			p.Report(gone, Canceled, 0)
+			p.Release(gone)
+		}
+		gone, _ = p.Pick(context.Background(), Request{})
+	}
+	p.Report(gone, Success, time.Millisecond)
+
+	next := append([]Upstream{}, set[:3]...)
+	next[1].Password = "rotated" // a changed credential keeps the state
+	next = append(next, ups(1, 6)[4:]...)
+	p.Update(next)
+
+	if s := stateOf(t, p, ej.ID()); s.State != Ejected || s.Ejections != 1 || s.Failures != 3 {
+		t.Errorf("ejected upstream after refresh: %+v", s)
+	}
+	if s := stateOf(t, p, busy.ID()); s.ConsecutiveFailures != 2 || s.State != Healthy {
+		t.Errorf("kept upstream: %+v", s)
+	}
+	if s := stateOf(t, p, set[3].ID()); s.State != Draining || s.InFlight != 1 {
+		t.Errorf("removed upstream: %+v", s)
+	}
+	if s := stateOf(t, p, next[3].ID()); s.State != Healthy || s.Failures != 0 {
+		t.Errorf("new upstream: %+v", s)
+	}
+	for range 40 {
+		u := pickReport(t, p, Request{}, Success)
+		switch u.ID() {
+		case set[3].ID():
+			t.Fatalf("picked a draining upstream")
+		case set[0].ID():
+			t.Fatalf("picked an ejected upstream")
+		case set[1].ID():
+			if u.Password != "rotated" {
+				t.Fatalf("old credential after refresh")
+			}
+		}
+	}
+	got := p.Upstreams()
+	if len(got) != 5 || got[1].Password != "rotated" {
+		t.Errorf("Upstreams() = %d upstreams, [1] password %q", len(got), got[1].Password)
+	}
+	// The held connection ends: the removed upstream leaves.
+	p.Release(gone)
+	for _, u := range p.Explain().Upstreams {
+		if u.ID == set[3].ID() {
+			t.Errorf("drained upstream still listed: %+v", u)
+		}
+	}
+	p.sweep()
+	p.mu.Lock()
+	n := len(p.draining)
+	p.mu.Unlock()
+	if n != 0 {
+		t.Errorf("%d drained upstreams kept", n)
+	}
+	// Back again: its state comes back with it.
+	p.Update(set)
+	if s := stateOf(t, p, set[0].ID()); s.State != Ejected {
+		t.Errorf("re-added: %+v", s)
+	}
+}
+
+func TestExplainHoldsNoPassword(t *testing.T) {
+	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	set := append(ups(1, 3), sessions(2, 2, "198.51.100.1")...)
+	p.Update(set)
+	p.SetListeners([]ListenerSlice{{Name: "b"}, {Name: "a", Kind: PPR}})
+	x := p.Explain()
+	b, err := json.Marshal(x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(b), "secret") {
+		t.Errorf("Explain holds a password: %s", b)
+	}
+	for i := 1; i < len(x.Upstreams); i++ {
+		if x.Upstreams[i-1].ID >= x.Upstreams[i].ID {
+			t.Errorf("not in ID order: %s, %s", x.Upstreams[i-1].ID, x.Upstreams[i].ID)
+		}
+	}
+	if len(x.Listeners) != 2 || x.Listeners[0].Name != "b" || x.Listeners[1].Total != 2 {
+		t.Errorf("listeners = %+v", x.Listeners)
+	}
+	if !x.Updated.Equal(newClock().Now()) {
+		t.Errorf("updated = %v", x.Updated)
+	}
+}
+
+func TestChangedHook(t *testing.T) {
+	changed := make(chan struct{}, 10)
+	p := newTestPool(t, Config{}, Options{Hooks: Hooks{Changed: func() { changed <- struct{}{} }}})
+	p.Update(ups(1, 2))
+	select {
+	case <-changed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Changed not called after Update")
+	}
+}
