@@ -1,0 +1,266 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"net/http/httptest"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/agent/providersim"
+)
+
+func newPollerForTest(t *testing.T, cfg PollConfig) (*Poller, *providersim.Sim, *[]Snapshot) {
+	t.Helper()
+	sim := providersim.New(providersim.Config{})
+	srv := httptest.NewServer(sim)
+	t.Cleanup(srv.Close)
+	c, err := New(Config{BaseURL: srv.URL, Token: "sim-token", Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var snaps []Snapshot
+	p, err := NewPoller(c, cfg, func(s Snapshot) { mu.Lock(); snaps = append(snaps, s); mu.Unlock() }, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, sim, &snaps
+}
+
+func pollAll(t *testing.T, p *Poller) {
+	t.Helper()
+	ctx := context.Background()
+	for l := Loop(0); l < numLoops; l++ {
+		if err := p.PollOnce(ctx, l); err != nil {
+			t.Fatalf("poll %s: %v", l, err)
+		}
+	}
+}
+
+func serviceByID(s Snapshot, id int) *ServiceState {
+	for i := range s.Services {
+		if s.Services[i].ID == id {
+			return &s.Services[i]
+		}
+	}
+	return nil
+}
+
+func TestPollerServesActiveServices(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, PollConfig{})
+	sim.MarkErrored(101, "203.0.113.9")
+	sim.SetUsage(102, 900, 1000)
+	pollAll(t, p)
+	s := p.Snapshot()
+	var ids []int
+	for _, st := range s.Services {
+		ids = append(ids, st.ID)
+	}
+	if !slices.Equal(ids, []int{101, 102, 104}) {
+		t.Fatalf("served services %v, want the Active ones [101 102 104]", ids)
+	}
+	fpr := serviceByID(s, 101)
+	if !fpr.ListsKnown || len(fpr.Lists["http-auth"]) == 0 || len(fpr.Lists["socks-ip"]) == 0 {
+		t.Fatalf("fpr lists: %+v", fpr.Lists)
+	}
+	if _, ok := fpr.Lists["ppr-http"]; ok {
+		t.Error("an fpr service must not fetch ppr lists")
+	}
+	if !fpr.StatusKnown || !slices.Contains(fpr.Errored, "203.0.113.9") {
+		t.Errorf("errored list: %v", fpr.Errored)
+	}
+	ppr := serviceByID(s, 102)
+	if len(ppr.Sticky) != 2 || !ppr.HasUsage || ppr.Rate != 900 || ppr.Limit != 1000 {
+		t.Errorf("ppr state: sticky %v usage %v %v/%v", ppr.Sticky, ppr.HasUsage, ppr.Rate, ppr.Limit)
+	}
+	if !s.CreditKnown || s.Credit != sim.Credit() {
+		t.Errorf("credit %v, want %v", s.Credit, sim.Credit())
+	}
+
+	// DESIGN.md §2: fpr http from http-auth with the line's credentials,
+	// fpr socks5 from socks-ip with the service record's.
+	ups := fpr.Upstreams()
+	var http, socks int
+	for _, u := range ups {
+		switch u.Protocol {
+		case "http":
+			http++
+			if u.Username == "" {
+				t.Errorf("http upstream without credentials: %+v", u)
+			}
+		case "socks5":
+			socks++
+			if u.Username != fpr.Record.Username || u.Password != fpr.Record.Password {
+				t.Errorf("socks upstream must use the service record's credentials: %+v", u)
+			}
+		}
+	}
+	if http != len(fpr.Lists["http-auth"]) || socks != len(fpr.Lists["socks-ip"]) {
+		t.Errorf("upstreams: %d http, %d socks from %d/%d entries", http, socks, len(fpr.Lists["http-auth"]), len(fpr.Lists["socks-ip"]))
+	}
+	// ppr with sticky sessions: one upstream per session and protocol.
+	for _, u := range ppr.Upstreams() {
+		if u.Session == "" || u.Server == "" || u.Kind != "ppr" {
+			t.Errorf("ppr sticky upstream: %+v", u)
+		}
+	}
+	if got := len(ppr.Upstreams()); got != 2*len(ppr.Sticky) {
+		t.Errorf("ppr upstreams %d, want %d", got, 2*len(ppr.Sticky))
+	}
+	// ppr without sticky sessions: its list entries as rotating upstreams.
+	plain := serviceByID(s, 104)
+	for _, u := range plain.Upstreams() {
+		if u.Session != "" {
+			t.Errorf("service 104 has no sessions: %+v", u)
+		}
+	}
+	if len(plain.Upstreams()) == 0 {
+		t.Error("service 104 gives no upstreams")
+	}
+}
+
+func TestPollerConfiguredServicesAndProtocols(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101, 103}, Protocols: []string{"http"}})
+	pollAll(t, p)
+	s := p.Snapshot()
+	if len(s.Services) != 1 || s.Services[0].ID != 101 {
+		t.Fatalf("services %+v, want only 101 (103 is Suspended)", s.Services)
+	}
+	if !slices.Contains(s.Dropped, 103) {
+		t.Errorf("dropped %v, want 103", s.Dropped)
+	}
+	if _, ok := s.Services[0].Lists["socks-ip"]; ok {
+		t.Error("no listener dials socks5: socks-ip must not be fetched")
+	}
+	if n := sim.Requests("/api/iplist/{typel}/{formatl}/{id}"); n != 1 {
+		t.Errorf("%d list requests, want 1", n)
+	}
+	// A service that stops being Active leaves at the next account poll.
+	sim.SetServiceStatus(101, "Suspended")
+	if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	s = p.Snapshot()
+	if len(s.Services) != 0 || !slices.Contains(s.Dropped, 101) {
+		t.Errorf("after suspension: services %+v dropped %v", s.Services, s.Dropped)
+	}
+}
+
+func TestPollerConfirmsShrinkingLists(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}})
+	pollAll(t, p)
+	full := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"])
+	if full < 3 {
+		t.Fatalf("need at least 3 entries, have %d", full)
+	}
+	sim.SetEntries(101, "http-auth", nil)
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != full {
+		t.Fatalf("an empty list was swapped in without confirmation: %d entries", n)
+	}
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != 0 {
+		t.Fatalf("the confirmed empty list must be swapped in: %d entries", n)
+	}
+	// Growing lists need no confirmation.
+	sim.SetEntries(101, "http-auth", []providersim.Entry{{Host: "192.0.2.1", Port: 8080, Login: "u", Password: "p"}})
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != 1 {
+		t.Fatalf("entries %d, want 1", n)
+	}
+}
+
+func TestPollerKeepsLastGoodDataOnFailure(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101}})
+	pollAll(t, p)
+	before := p.Snapshot()
+	sim.FailNext(1000, 500, "<html>oops</html>")
+	for l := Loop(0); l < numLoops; l++ {
+		if err := p.PollOnce(context.Background(), l); err == nil && l != LoopUsage {
+			t.Errorf("poll %s: want an error while the API fails", l)
+		}
+	}
+	after := p.Snapshot()
+	b, a := serviceByID(before, 101), serviceByID(after, 101)
+	if a == nil || len(a.Lists["http-auth"]) != len(b.Lists["http-auth"]) || a.Record.Username != b.Record.Username {
+		t.Fatalf("last good data lost: %+v", a)
+	}
+}
+
+func TestPollerWaits(t *testing.T) {
+	p, _, _ := newPollerForTest(t, PollConfig{Jitter: 0.1, MaxBackoff: time.Minute})
+	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
+	p.now = func() time.Time { return now }
+	for range 100 {
+		if w := p.nextWait(10*time.Second, 0, nil); w < 9*time.Second || w > 11*time.Second {
+			t.Fatalf("success wait %v outside interval ±10%%", w)
+		}
+	}
+	fail := errors.New("boom")
+	prev := time.Duration(0)
+	for n := 1; n <= 8; n++ {
+		w := p.nextWait(30*time.Second, n, fail)
+		base := min(5*time.Second<<(n-1), time.Minute)
+		if w < base*9/10 || w > base*11/10 {
+			t.Errorf("failure %d: wait %v, want %v ±10%%", n, w, base)
+		}
+		if n > 1 && w < prev*8/10 {
+			t.Errorf("backoff shrank: %v after %v", w, prev)
+		}
+		prev = w
+	}
+	// A 429 is never retried before the time it names.
+	tooMany := &APIError{Status: 429, NextAllowed: now.Add(7 * time.Minute)}
+	if w := p.nextWait(30*time.Second, 1, tooMany); w < 7*time.Minute {
+		t.Errorf("429 wait %v, want at least 7m", w)
+	}
+}
+
+func TestPollerRunBacksOffAndBeats(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101}, NetworkStatus: time.Second, IPList: time.Second, Usage: time.Second, Account: time.Second, MaxBackoff: 4 * time.Second, Jitter: 0.01})
+	sim.FailNext(1<<30, 500, "down")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); p.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	// Backoff: 1s, 2s, 4s, 4s, … — in 5.5s the account loop makes at most 4
+	// attempts where a healthy 1s loop would make 6.
+	deadline := time.Now().Add(5500 * time.Millisecond)
+	for time.Now().Before(deadline) {
+		if !p.Alive(3 * time.Second) {
+			t.Fatal("loops must stay alive (heartbeat) while the API fails")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if n := sim.Requests("/api/services"); n < 2 || n > 4 {
+		t.Errorf("%d attempts on /api/services in 5.5s, want 2–4 with backoff", n)
+	}
+}
+
+func TestPollerRotate(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{102}})
+	pollAll(t, p)
+	sess := sim.Sessions(102)[0]
+	ip, err := p.Rotate(context.Background(), 102, sess.Server, sess.Session)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ip == "" || ip == sess.ExitIP || sim.Sessions(102)[0].ExitIP != ip {
+		t.Fatalf("rotate gave %q; old %q, provider now %q", ip, sess.ExitIP, sim.Sessions(102)[0].ExitIP)
+	}
+	for _, ss := range serviceByID(p.Snapshot(), 102).Sticky {
+		if ss.Session == sess.Session && ss.ExitIP != ip {
+			t.Errorf("snapshot keeps the old exit IP %q", ss.ExitIP)
+		}
+	}
+}
