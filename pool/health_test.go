@@ -1,0 +1,357 @@
+package pool
+
+import (
+	"context"
+	"math"
+	"testing"
+	"time"
+)
+
+func TestEjectionCountsOnlyUpstreamFaults(t *testing.T) {
+	var failures, ejections int
+	clk := newClock()
+	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Hooks: Hooks{
+		Failure: func(int, Result) { failures++ },
+		Ejected: func(int) { ejections++ },
+	}})
+	set := ups(1, 2)
+	p.Update(set)
+	u := handle(p, set[0])
+	report := func(r Result) {
+		u.h.inFlight.Add(1)
+		p.Report(u, r, time.Millisecond)
+		p.Release(u)
+	}
+	tests := []struct {
+		results []Result
+		consec  int64
+		state   State
+	}{
+		{[]Result{DestinationError, DestinationError, DestinationError, Canceled, Canceled}, 0, Healthy},
+		{[]Result{DialRefused, DialTimeout}, 2, Healthy},
+		{[]Result{DestinationError, Success}, 0, Healthy}, // a success resets the count
+		{[]Result{HandshakeTimeout, AuthRejected}, 2, Healthy},
+		{[]Result{Canceled, ProxyError}, 3, Ejected},
+	}
+	for i, tt := range tests {
+		for _, r := range tt.results {
+			report(r)
+		}
+		s := stateOf(t, p, u.ID())
+		if s.ConsecutiveFailures != tt.consec || s.State != tt.state {
+			t.Errorf("step %d: consecutive %d state %s, want %d %s", i, s.ConsecutiveFailures, s.State, tt.consec, tt.state)
+		}
+	}
+	s := stateOf(t, p, u.ID())
+	if s.Failures != 5 || failures != 5 || ejections != 1 || s.Reason != "proxy_error" {
+		t.Errorf("failures %d (hook %d), ejections hook %d, reason %q", s.Failures, failures, ejections, s.Reason)
+	}
+	if s.EjectedUntil == nil {
+		t.Fatal("no ejected_until")
+	}
+	for range 10 {
+		if got := pickReport(t, p, Request{}, Success); got.ID() == u.ID() {
+			t.Fatal("picked an ejected upstream")
+		}
+	}
+}
+
+// midRand makes the jitter factor exactly 1.
+func midRand() uint64 { return 1 << 63 }
+
+func TestEjectionBackoffGrowsToCap(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Rand: midRand})
+	set := ups(1, 2)
+	p.Update(set)
+	u := handle(p, set[0])
+	fail(p, u, 3)
+	want := []time.Duration{30 * time.Second, time.Minute, 2 * time.Minute, 4 * time.Minute, 5 * time.Minute, 5 * time.Minute}
+	for k, d := range want {
+		s := stateOf(t, p, u.ID())
+		if s.State != Ejected || s.Ejections != int64(k+1) {
+			t.Fatalf("ejection %d: %+v", k+1, s)
+		}
+		if got := s.EjectedUntil.Sub(clk.Now()); got != d {
+			t.Errorf("ejection %d lasts %s, want %s", k+1, got, d)
+		}
+		clk.Advance(d - time.Second)
+		if s := stateOf(t, p, u.ID()); s.State != Ejected {
+			t.Fatalf("ejection %d over a second early: %s", k+1, s.State)
+		}
+		clk.Advance(time.Second)
+		if s := stateOf(t, p, u.ID()); s.State != Probing {
+			t.Fatalf("after ejection %d: %s, want probing", k+1, s.State)
+		}
+		// The trial connection fails: ejected again, for longer.
+		var trial *Upstream
+		for trial == nil || trial.ID() != u.ID() {
+			if trial != nil {
+				p.Report(trial, Canceled, 0)
+				p.Release(trial)
+			}
+			trial, _ = p.Pick(context.Background(), Request{})
+		}
+		p.Report(trial, DialTimeout, time.Second)
+		p.Release(trial)
+	}
+	// A success after the ejection re-admits; a long healthy stretch
+	// forgets the history.
+	clk.Advance(5 * time.Minute)
+	p.Report(u, Success, time.Millisecond)
+	if s := stateOf(t, p, u.ID()); s.State != Healthy {
+		t.Fatalf("after success: %s", s.State)
+	}
+	clk.Advance(5 * time.Minute)
+	p.Report(u, Success, time.Millisecond)
+	fail(p, u, 3)
+	if s := stateOf(t, p, u.ID()); s.EjectedUntil.Sub(clk.Now()) != 30*time.Second {
+		t.Errorf("after a healthy stretch: ejected for %s, want the base 30s", s.EjectedUntil.Sub(clk.Now()))
+	}
+}
+
+func TestEjectionJitterBounds(t *testing.T) {
+	cfg := Config{EjectBase: 10 * time.Second, EjectMax: 100 * time.Second}
+	for _, tt := range []struct {
+		name string
+		rand func() uint64
+	}{
+		{"low", func() uint64 { return 0 }},
+		{"high", func() uint64 { return math.MaxUint64 }},
+		{"random", nil},
+	} {
+		p, err := New(cfg, Options{Rand: tt.rand})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for k := 1; k <= 6; k++ {
+			nominal := min(10*time.Second<<(k-1), 100*time.Second)
+			lo, hi := time.Duration(float64(nominal)*0.8), min(time.Duration(float64(nominal)*1.2), 100*time.Second)
+			var seenLo, seenHi time.Duration = math.MaxInt64, 0
+			for range 2000 {
+				d := p.ejectDuration(k)
+				if d < lo || d > hi {
+					t.Fatalf("%s: ejection %d: %s outside [%s, %s]", tt.name, k, d, lo, hi)
+				}
+				seenLo, seenHi = min(seenLo, d), max(seenHi, d)
+			}
+			switch tt.name {
+			case "low":
+				if seenLo != lo {
+					t.Errorf("low: ejection %d: %s, want %s", k, seenLo, lo)
+				}
+			case "high":
+				if hi-seenHi > time.Millisecond {
+					t.Errorf("high: ejection %d: %s, want %s", k, seenHi, hi)
+				}
+			case "random":
+				// The spread is used: both ends of the band are approached.
+				if seenLo > lo+(hi-lo)/10 || (nominal < 100*time.Second && seenHi < hi-(hi-lo)/10) {
+					t.Errorf("random: ejection %d: seen [%s, %s] of [%s, %s]", k, seenLo, seenHi, lo, hi)
+				}
+			}
+		}
+	}
+}
+
+func TestProbingOneTrialAtATime(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Rand: midRand})
+	set := ups(1, 3)
+	p.Update(set)
+	u := handle(p, set[0])
+	fail(p, u, 3)
+	clk.Advance(30 * time.Second)
+	// Many picks: exactly one of them is the trial on u.
+	var held []*Upstream
+	trials := 0
+	for range 30 {
+		got, err := p.Pick(context.Background(), Request{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.ID() == u.ID() {
+			trials++
+		}
+		held = append(held, got)
+	}
+	if trials != 1 {
+		t.Fatalf("%d trial connections on a probing upstream, want 1", trials)
+	}
+	if s := stateOf(t, p, u.ID()); s.State != Probing || s.InFlight != 1 {
+		t.Errorf("during the trial: %+v", s)
+	}
+	// A cancelled trial gives no verdict: another connection tries.
+	for _, h := range held {
+		r := Success
+		if h.ID() == u.ID() {
+			r = Canceled
+		}
+		p.Report(h, r, time.Millisecond)
+		p.Release(h)
+	}
+	if s := stateOf(t, p, u.ID()); s.State != Probing {
+		t.Fatalf("after a cancelled trial: %s", s.State)
+	}
+	var trial *Upstream
+	for trial == nil || trial.ID() != u.ID() {
+		if trial != nil {
+			p.Report(trial, Success, time.Millisecond)
+			p.Release(trial)
+		}
+		trial = mustPick(t, p, Request{})
+	}
+	p.Report(trial, Success, time.Millisecond)
+	p.Release(trial)
+	if s := stateOf(t, p, u.ID()); s.State != Healthy || s.InFlight != 0 || s.ConsecutiveFailures != 0 {
+		t.Errorf("after a successful trial: %+v", s)
+	}
+	n := 0
+	for range 30 {
+		if pickReport(t, p, Request{}, Success).ID() == u.ID() {
+			n++
+		}
+	}
+	if n != 10 {
+		t.Errorf("re-admitted upstream took %d of 30 round-robin picks, want 10", n)
+	}
+}
+
+func mustPick(t testing.TB, p *Pool, req Request) *Upstream {
+	t.Helper()
+	u, err := p.Pick(context.Background(), req)
+	if err != nil {
+		t.Fatalf("Pick: %v", err)
+	}
+	return u
+}
+
+func TestEjectionCapAndPanic(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{}, Options{Now: clk.Now, Rand: midRand})
+	set := ups(1, 4)
+	p.Update(set)
+	p.SetListeners([]ListenerSlice{{Name: "l"}})
+	a, b, c, d := handle(p, set[0]), handle(p, set[1]), handle(p, set[2]), handle(p, set[3])
+	fail(p, a, 3)
+	fail(p, b, 3)
+	if l := listenerOf(t, p, "l"); l.Usable != 2 || l.Panic {
+		t.Fatalf("two of four ejected: %+v", l)
+	}
+	// The cap (50 % of 4) is reached: c stays in, with its failures counted.
+	fail(p, c, 5)
+	s := stateOf(t, p, c.ID())
+	if s.State != Healthy || s.ConsecutiveFailures != 5 || s.Reason == "" {
+		t.Errorf("c past the cap: %+v", s)
+	}
+	if l := listenerOf(t, p, "l"); !l.Panic || l.Usable != 2 {
+		t.Errorf("panic not shown: %+v", l)
+	}
+	seen := map[string]bool{}
+	for range 20 {
+		u := mustPick(t, p, Request{Listener: "l"})
+		seen[u.ID()] = true
+		p.Report(u, Canceled, 0)
+		p.Release(u)
+	}
+	if !seen[c.ID()] || !seen[d.ID()] || len(seen) != 2 {
+		t.Errorf("in panic, picked %v; want c and d", seen)
+	}
+	// d fails too: panic, clients still served.
+	fail(p, d, 3)
+	if u := mustPick(t, p, Request{Listener: "l"}); u.ID() != c.ID() && u.ID() != d.ID() {
+		t.Errorf("picked %s", u.ID())
+	} else {
+		p.Report(u, Canceled, 0)
+		p.Release(u)
+	}
+	// d recovers: still panic because of c.
+	p.Report(d, Success, time.Millisecond)
+	if l := listenerOf(t, p, "l"); !l.Panic {
+		t.Errorf("panic left while c still failing: %+v", l)
+	}
+	// a's ejection ends and its trial succeeds: room under the cap, so c's
+	// next failure ejects it and the panic is over.
+	clk.Advance(30 * time.Second)
+	p.Report(a, Success, time.Millisecond)
+	if s := stateOf(t, p, a.ID()); s.State != Healthy {
+		t.Fatalf("a: %s", s.State)
+	}
+	fail(p, c, 1)
+	if s := stateOf(t, p, c.ID()); s.State != Ejected {
+		t.Errorf("c with room under the cap: %s", s.State)
+	}
+	if l := listenerOf(t, p, "l"); l.Panic || l.Usable != 3 { // a, d, and b probing
+		t.Errorf("after c's ejection: %+v", l)
+	}
+	// Entering again and leaving through a success.
+	fail(p, d, 3)
+	if l := listenerOf(t, p, "l"); !l.Panic {
+		t.Errorf("d past the cap: %+v", l)
+	}
+	p.Report(d, Success, time.Millisecond)
+	if l := listenerOf(t, p, "l"); l.Panic {
+		t.Errorf("d recovered: %+v", l)
+	}
+}
+
+func TestSingleUpstreamNeverEjected(t *testing.T) {
+	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	p.Update(ups(1, 1))
+	for range 10 {
+		pickReport(t, p, Request{}, DialRefused)
+	}
+	if l := p.Explain().Upstreams[0]; l.State != Healthy || l.ConsecutiveFailures != 10 {
+		t.Errorf("%+v", l)
+	}
+}
+
+func TestActiveProbe(t *testing.T) {
+	clk := newClock()
+	probed := map[string]int{}
+	results := map[string]Result{}
+	prober := proberFunc(func(_ context.Context, u *Upstream) Result {
+		probed[u.ID()]++
+		return results[u.ID()]
+	})
+	p, err := New(Config{MaxEjectedShare: 1, ProbeInterval: time.Hour, ProbeBudget: 2}, Options{Now: clk.Now, Rand: midRand, Prober: prober})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := ups(1, 10)
+	p.Update(set)
+	for i := range 3 {
+		fail(p, handle(p, set[i]), 3)
+		results[set[i].ID()] = DialRefused
+	}
+	results[set[1].ID()] = Success
+	p.probeOnce(context.Background())
+	p.probeOnce(context.Background()) // same minute: no budget left
+	total := 0
+	for id, n := range probed {
+		total += n
+		if id != set[0].ID() && id != set[1].ID() && id != set[2].ID() {
+			t.Errorf("probed %s, which is not ejected", id)
+		}
+	}
+	if total != 2 {
+		t.Errorf("%d probes in a minute, budget 2", total)
+	}
+	clk.Advance(time.Minute)
+	p.probeOnce(context.Background())
+	p.probeOnce(context.Background())
+	if probed[set[0].ID()] == 0 || probed[set[1].ID()] != 1 || probed[set[2].ID()] == 0 {
+		t.Errorf("probes %v: want each ejected upstream probed, set[1] once", probed)
+	}
+	if s := stateOf(t, p, set[1].ID()); s.State != Healthy {
+		t.Errorf("successful probe: %s", s.State)
+	}
+	if s := stateOf(t, p, set[0].ID()); s.State != Ejected {
+		t.Errorf("failed probe: %s", s.State)
+	}
+	p.stopRotations()
+}
+
+type proberFunc func(context.Context, *Upstream) Result
+
+func (f proberFunc) Probe(ctx context.Context, u *Upstream) Result { return f(ctx, u) }
