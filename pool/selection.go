@@ -94,14 +94,11 @@ func pickLeastConn(hs []*host, start uint64, f *filter) int {
 	return best
 }
 
-// pickLatency returns the first eligible member from start whose moving
-// average of dial + handshake time is within (1+tol) × the best one's.
-// Members not measured yet count as good, so they get measured.
+// pickLatency returns an eligible member whose moving average of dial +
+// handshake time is within (1+tol) × the best one's, taking turns among
+// them by start so that load does not herd onto the fastest. Members not
+// measured yet count as within the band, so they get measured.
 func pickLatency(hs []*host, start uint64, f *filter, tol float64) int {
-	n := uint64(len(hs))
-	if n == 0 {
-		return -1
-	}
 	var best int64 = -1
 	for _, h := range hs {
 		if e := h.ewma.Load(); (best < 0 || e < best) && e > 0 && f.eligible(h) {
@@ -109,17 +106,30 @@ func pickLatency(hs []*host, start uint64, f *filter, tol float64) int {
 		}
 	}
 	limit := int64(float64(best) * (1 + tol))
-	i := start % n
-	for range n {
-		h := hs[i]
-		if e := h.ewma.Load(); (best < 0 || e <= limit) && f.eligible(h) {
-			return int(i)
-		}
-		if i++; i == n {
-			i = 0
+	within := func(h *host) bool {
+		e := h.ewma.Load()
+		return (best < 0 || e <= limit) && f.eligible(h)
+	}
+	m := uint64(0)
+	for _, h := range hs {
+		if within(h) {
+			m++
 		}
 	}
-	return -1
+	if m == 0 {
+		return -1
+	}
+	k, last := start%m, -1
+	for i, h := range hs {
+		if within(h) {
+			if k == 0 {
+				return i
+			}
+			k--
+			last = i
+		}
+	}
+	return last // fewer within the band than counted: the state moved meanwhile
 }
 
 // choose runs the strategy over sl and claims the chosen host. Upstreams of

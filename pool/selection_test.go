@@ -1,0 +1,203 @@
+package pool
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+// hostSpec is the state of one host in a strategy table test.
+type hostSpec struct {
+	ejected  bool // ejected until after now
+	probing  bool // ejection over, no trial out
+	trial    bool // ejection over, trial out
+	flags    uint32
+	inFlight int64
+	ewma     time.Duration
+}
+
+func makeHosts(specs []hostSpec, now int64) []*host {
+	hs := make([]*host, len(specs))
+	for i, s := range specs {
+		u := Upstream{Service: 1, Kind: FPR, Protocol: HTTP, Address: fmt.Sprintf("10.0.0.%d:80", i)}
+		h := newHost(u.ID(), &u)
+		switch {
+		case s.ejected:
+			h.ejectedUntil.Store(now + int64(time.Second))
+		case s.probing:
+			h.ejectedUntil.Store(now - int64(time.Second))
+		case s.trial:
+			h.ejectedUntil.Store(now - int64(time.Second))
+			h.trial.Store(true)
+		}
+		h.flags.Store(s.flags)
+		h.inFlight.Store(s.inFlight)
+		h.ewma.Store(int64(s.ewma))
+		hs[i] = h
+	}
+	return hs
+}
+
+func TestStrategies(t *testing.T) {
+	clk := newClock()
+	now := clk.Now().UnixNano()
+	ok := hostSpec{}
+	ms := time.Millisecond
+	tests := []struct {
+		name     string
+		strategy string
+		hosts    []hostSpec
+		start    uint64
+		avoid    []int
+		quota    bool
+		want     int
+	}{
+		{"first: empty", RoundRobin, nil, 0, nil, false, -1},
+		{"first: start", RoundRobin, []hostSpec{ok, ok, ok, ok}, 2, nil, false, 2},
+		{"first: start wraps", RoundRobin, []hostSpec{ok, ok, ok, ok}, 9, nil, false, 1},
+		{"first: skips ejected", RoundRobin, []hostSpec{ok, {ejected: true}, ok}, 1, nil, false, 2},
+		{"first: probing is eligible", RoundRobin, []hostSpec{ok, {probing: true}, ok}, 1, nil, false, 1},
+		{"first: trial out", RoundRobin, []hostSpec{ok, {trial: true}, ok}, 1, nil, false, 2},
+		{"first: provider error", RoundRobin, []hostSpec{ok, {flags: fProviderError}, {flags: fProviderInactive}}, 1, nil, false, 0},
+		{"first: draining and rotating", RoundRobin, []hostSpec{{flags: fDraining}, {flags: fRotating}, {flags: fExitErrored}, ok}, 0, nil, false, 3},
+		{"first: quota", RoundRobin, []hostSpec{{flags: fQuota}, ok}, 0, nil, false, 1},
+		{"first: quota allowed", RoundRobin, []hostSpec{{flags: fQuota}, ok}, 0, nil, true, 0},
+		{"first: avoid", RoundRobin, []hostSpec{ok, ok, ok}, 0, []int{0, 1}, false, 2},
+		{"first: nothing eligible", RoundRobin, []hostSpec{{ejected: true}, {flags: fQuota}}, 0, nil, false, -1},
+		{"least-conn: fewest", LeastConn, []hostSpec{{inFlight: 3}, {inFlight: 1}, {inFlight: 2}, {inFlight: 1}}, 0, nil, false, 1},
+		{"least-conn: ties from start", LeastConn, []hostSpec{{inFlight: 3}, {inFlight: 1}, {inFlight: 2}, {inFlight: 1}}, 2, nil, false, 3},
+		{"least-conn: idle ends the scan", LeastConn, []hostSpec{{inFlight: 0}, {inFlight: 5}, {inFlight: 0}}, 1, nil, false, 2},
+		{"least-conn: skips ineligible", LeastConn, []hostSpec{{inFlight: 0, ejected: true}, {inFlight: 4}, {inFlight: 2, flags: fProviderError}}, 0, nil, false, 1},
+		{"least-conn: avoid", LeastConn, []hostSpec{{inFlight: 0}, {inFlight: 4}}, 0, []int{0}, false, 1},
+		{"least-conn: none", LeastConn, []hostSpec{{ejected: true}}, 0, nil, false, -1},
+		{"latency: best", Latency, []hostSpec{{ewma: 100 * ms}, {ewma: 10 * ms}, {ewma: 50 * ms}}, 0, nil, false, 1},
+		{"latency: band, turn 1", Latency, []hostSpec{{ewma: 100 * ms}, {ewma: 200 * ms}, {ewma: 110 * ms}}, 1, nil, false, 2},
+		{"latency: band, turn 2", Latency, []hostSpec{{ewma: 100 * ms}, {ewma: 200 * ms}, {ewma: 110 * ms}}, 2, nil, false, 0},
+		{"latency: unmeasured is tried", Latency, []hostSpec{{ewma: 100 * ms}, {ewma: 300 * ms}, {}}, 1, nil, false, 2},
+		{"latency: all unmeasured", Latency, []hostSpec{{}, {}, {}}, 4, nil, false, 1},
+		{"latency: ejected best ignored", Latency, []hostSpec{{ewma: 10 * ms, ejected: true}, {ewma: 300 * ms}, {ewma: 100 * ms}}, 1, nil, false, 2},
+		{"latency: avoid", Latency, []hostSpec{{ewma: 10 * ms}, {ewma: 300 * ms}}, 0, []int{0}, false, 1},
+		{"latency: none", Latency, []hostSpec{{flags: fDraining}}, 0, nil, false, -1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			hs := makeHosts(tt.hosts, now)
+			f := filter{clock: clk.Now, quota: tt.quota}
+			for _, i := range tt.avoid {
+				f.avoid = append(f.avoid, hs[i].id)
+			}
+			var got int
+			switch tt.strategy {
+			case RoundRobin:
+				got = pickFirst(hs, tt.start, &f)
+			case LeastConn:
+				got = pickLeastConn(hs, tt.start, &f)
+			case Latency:
+				got = pickLatency(hs, tt.start, &f, 0.2)
+			}
+			if got != tt.want {
+				t.Errorf("got %d, want %d", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestPoolStrategies(t *testing.T) {
+	const n = 10
+	t.Run("round-robin cycles in order", func(t *testing.T) {
+		p := newTestPool(t, Config{Strategy: RoundRobin}, Options{Now: newClock().Now})
+		set := ups(1, n)
+		p.Update(set)
+		for round := range 3 {
+			for i := range n {
+				if u := pickReport(t, p, Request{}, Success); u.ID() != set[i].ID() {
+					t.Fatalf("round %d pick %d: %s, want %s", round, i, u.ID(), set[i].ID())
+				}
+			}
+		}
+	})
+	t.Run("random spreads", func(t *testing.T) {
+		p := newTestPool(t, Config{Strategy: Random}, Options{Now: newClock().Now})
+		set := ups(1, n)
+		p.Update(set)
+		fail(p, handle(p, set[3]), 3)
+		counts := map[string]int{}
+		const picks = 9000
+		for range picks {
+			counts[pickReport(t, p, Request{}, Success).ID()]++
+		}
+		if counts[set[3].ID()] != 0 {
+			t.Errorf("random picked an ejected upstream")
+		}
+		for _, u := range set {
+			if u.ID() == set[3].ID() {
+				continue
+			}
+			// Expected 1000 each; a linear scan after an ejected one may
+			// give its successor up to twice that.
+			if c := counts[u.ID()]; c < 500 || c > 2600 {
+				t.Errorf("%s picked %d of %d times", u.ID(), c, picks)
+			}
+		}
+	})
+	t.Run("least-conn", func(t *testing.T) {
+		p := newTestPool(t, Config{Strategy: LeastConn}, Options{Now: newClock().Now})
+		set := ups(1, 3)
+		p.Update(set)
+		var held []*Upstream
+		for range 6 {
+			held = append(held, mustPick(t, p, Request{}))
+		}
+		for _, u := range set {
+			if got := stateOf(t, p, u.ID()).InFlight; got != 2 {
+				t.Errorf("%s in flight %d, want 2 (spread evenly)", u.ID(), got)
+			}
+		}
+		// Release both on set[1]: the next two go there.
+		for _, u := range held {
+			if u.ID() == set[1].ID() {
+				p.Report(u, Success, time.Millisecond)
+				p.Release(u)
+			}
+		}
+		for range 2 {
+			if u := mustPick(t, p, Request{}); u.ID() != set[1].ID() {
+				t.Errorf("picked %s, want the idle %s", u.ID(), set[1].ID())
+			}
+		}
+	})
+	t.Run("latency with tolerance", func(t *testing.T) {
+		p := newTestPool(t, Config{Strategy: Latency, LatencyTolerance: 0.5}, Options{Now: newClock().Now})
+		set := ups(1, 4)
+		p.Update(set)
+		for i, d := range []time.Duration{100, 140, 400, 1000} {
+			u := handle(p, set[i])
+			u.h.inFlight.Add(1)
+			p.Report(u, Success, d*time.Millisecond)
+			p.Release(u)
+		}
+		counts := map[string]int{}
+		for range 100 {
+			counts[pickReport(t, p, Request{}, Canceled).ID()]++
+		}
+		if counts[set[0].ID()] != 50 || counts[set[1].ID()] != 50 {
+			t.Errorf("picks %v: want the two within the band, evenly", counts)
+		}
+	})
+}
+
+func TestEWMA(t *testing.T) {
+	var h host
+	h.observe(100 * time.Millisecond)
+	if got := time.Duration(h.ewma.Load()); got != 100*time.Millisecond {
+		t.Errorf("first sample: %s", got)
+	}
+	h.observe(200 * time.Millisecond)
+	if got := time.Duration(h.ewma.Load()); got != 125*time.Millisecond {
+		t.Errorf("second sample: %s, want 125ms", got)
+	}
+	h.observe(0)
+	if got := time.Duration(h.ewma.Load()); got != 125*time.Millisecond {
+		t.Errorf("zero sample changed the average: %s", got)
+	}
+}
