@@ -13,6 +13,19 @@
 //
 // Tests steer it through controls (FailNext, SetLatency, MarkErrored,
 // SetEntries, ...) that are safe to call while requests are served.
+//
+// Choices where the specification is silent (each handler documents its
+// own): every endpoint, changettl included, requires authentication (rule
+// on Sim.authenticate); services OrphanServiceMin..OrphanServiceMax belong
+// to a vanished client and reach the 400 "ClientID not found" form of
+// endpoints 8, 9 and 15; unknown services get 422 "Unprocessable Entity"
+// (with a trailing space on 2, 3, 8, 9 and 19, as the real provider
+// does), unknown invoices []; update_list is accepted once per
+// Config.UpdateListInterval per service and the 429 time is UTC; the
+// password of PUT must be padded standard base64 of printable text; money
+// is exact to the cent; exit IPs of sticky sessions count up in
+// 198.51.100.0/24.
+//
 // Left out: persistence, real billing rules, service status transitions
 // other than those set by the controls, and anything over TLS (wrap the
 // handler in httptest.NewTLSServer for that).
