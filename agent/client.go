@@ -380,3 +380,9 @@ func escapedPath(route string, args []string) string {
 	p, _ := fillRoute(route, esc)
 	return p
 }
+
+// decodeError wraps a decoding failure of route's answer; the message may
+// quote part of the body, so it is scrubbed like error bodies are.
+func (c *Client) decodeError(route string, err error) error {
+	return &DecodeError{Route: route, Err: c.scrubErr(err)}
+}

@@ -47,7 +47,7 @@ func get[T any](ctx context.Context, c *Client, route string, dec func([]byte) (
 	}
 	v, err := dec(body)
 	if err != nil {
-		return zero, &DecodeError{Route: route, Err: err}
+		return zero, c.decodeError(route, err)
 	}
 	return v, nil
 }
@@ -91,7 +91,7 @@ func (c *Client) Order(ctx context.Context, pid int, o OrderRequest) (*OrderResu
 	}
 	v, err := object[OrderResult]("serviceId", "orderId", "invoiceId")(body)
 	if err != nil {
-		return nil, &DecodeError{Route: RouteProduct, Err: err}
+		return nil, c.decodeError(RouteProduct, err)
 	}
 	return v, nil
 }
@@ -225,7 +225,7 @@ func (c *Client) UpdateService(ctx context.Context, id int, u ServiceUpdate) (Se
 	}
 	res, err := decodeUpdateResult(body)
 	if err != nil {
-		return nil, &DecodeError{Route: RouteService, Err: err}
+		return nil, c.decodeError(RouteService, err)
 	}
 	return res, nil
 }
@@ -291,7 +291,7 @@ func (c *Client) IPList(ctx context.Context, id int, typ, format string) (*IPLis
 	}
 	l, err := ParseIPList(body, format)
 	if err != nil {
-		return l, &DecodeError{Route: RouteIPList, Err: err}
+		return l, c.decodeError(RouteIPList, err)
 	}
 	return l, nil
 }
@@ -304,7 +304,7 @@ func (c *Client) StickyList(ctx context.Context, id int) (*StickyList, error) {
 	}
 	l, err := ParseStickyList(body)
 	if err != nil {
-		return l, &DecodeError{Route: RouteStickyList, Err: err}
+		return l, c.decodeError(RouteStickyList, err)
 	}
 	return l, nil
 }

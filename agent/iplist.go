@@ -47,14 +47,14 @@ func ParseIPList(body []byte, format string) (*IPList, error) {
 		return l, fmt.Errorf("parsing ip list: unknown format %q", excerpt([]byte(format), maxValueExcerpt))
 	}
 	t := bytes.TrimSpace(bytes.TrimPrefix(body, []byte("\xef\xbb\xbf")))
-	if len(t) == 0 {
+	if len(t) == 0 || string(t) == "null" {
 		return l, nil
 	}
 	p := listParser{l: l, csvFirst: format == "csv"}
 	switch {
 	case (t[0] == '[' || t[0] == '{') && json.Valid(t):
 		p.jsonValue(t, 0)
-	case t[0] == '{' || t[0] == '"' || (t[0] == '[' && opensJSONArray(t)):
+	case t[0] == '{' || (t[0] == '"' && firstLineIsJSONString(t)) || (t[0] == '[' && opensJSONArray(t)):
 		p.jsonStream(t)
 	default:
 		p.lines(t)
@@ -131,6 +131,15 @@ func (p *listParser) line(line string) (Entry, bool) {
 func opensJSONArray(t []byte) bool {
 	rest := bytes.TrimLeft(t[1:], " \t\r\n")
 	return len(rest) == 0 || rest[0] == '{' || rest[0] == '"' || rest[0] == ']' || rest[0] == '['
+}
+
+// firstLineIsJSONString tells a list of JSON strings, one per line, from a
+// csv file with quoted fields.
+func firstLineIsJSONString(t []byte) bool {
+	line, _, _ := bytes.Cut(t, []byte("\n"))
+	line = bytes.TrimRight(bytes.TrimSpace(line), ",")
+	var s string
+	return json.Unmarshal(line, &s) == nil
 }
 
 // jsonValue parses a valid JSON document or element.
@@ -377,8 +386,11 @@ func entryFromObject(obj map[string]json.RawMessage) (Entry, bool) {
 // row: several fields, at least one a known name, none a port number.
 func csvHeader(line string) map[string]int {
 	fields := splitCSV(line)
-	if len(fields) < 2 {
-		return nil
+	if len(fields) == 1 {
+		// A one-column header such as "proxy".
+		if _, ok := parseProxyLine(line); ok {
+			return nil
+		}
 	}
 	cols := map[string]int{}
 	for i, f := range fields {
@@ -410,6 +422,9 @@ func recordWithHeader(fields []string, cols map[string]int) (Entry, bool) {
 			return fields[i]
 		}
 		return ""
+	}
+	if len(fields) == 1 && len(cols) > 1 {
+		return parseProxyLine(fields[0]) // a txt line under a csv header
 	}
 	host, port := get("host"), get("port")
 	if host == "" {
@@ -519,7 +534,7 @@ func parseProxyLine(s string) (Entry, bool) {
 				return Entry{Host: h, Port: pt, Login: login, Password: pw}, true
 			}
 		}
-		return Entry{}, false
+		// Else an '@' inside the password of ip:port:login:password.
 	}
 	if s[0] == '[' {
 		end := strings.Index(s, "]:")
