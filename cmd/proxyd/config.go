@@ -19,9 +19,9 @@ import (
 // Config of the package that owns those options; see wire.go.
 type config struct {
 	API      apiConfig        `toml:"api"`
-	Poll     pollConfig       `toml:"poll"`
+	Poll     pollSection      `toml:"poll"`
 	State    stateConfig      `toml:"state"`
-	Pool     poolConfig       `toml:"pool"`
+	Pool     poolSection      `toml:"pool"`
 	Listener []listenerConfig `toml:"listener"`
 	Admin    adminConfig      `toml:"admin"`
 	Log      logConfig        `toml:"log"`
@@ -39,7 +39,7 @@ type apiConfig struct {
 	Timeout      duration `toml:"timeout"`
 }
 
-type pollConfig struct {
+type pollSection struct {
 	IPList        duration `toml:"ip_list"`
 	NetworkStatus duration `toml:"network_status"`
 	Usage         duration `toml:"usage"`
@@ -52,7 +52,7 @@ type stateConfig struct {
 	Dir string `toml:"dir"`
 }
 
-type poolConfig struct {
+type poolSection struct {
 	Strategy          string   `toml:"strategy"`
 	FailureThreshold  int      `toml:"failure_threshold"`
 	EjectBase         duration `toml:"eject_base"`
@@ -115,7 +115,7 @@ func defaultConfig() config {
 			BaseURL: "https://api.example-provider.net",
 			Timeout: duration(15 * time.Second),
 		},
-		Poll: pollConfig{
+		Poll: pollSection{
 			IPList:        duration(10 * time.Minute),
 			NetworkStatus: duration(30 * time.Second),
 			Usage:         duration(time.Minute),
@@ -124,7 +124,7 @@ func defaultConfig() config {
 			MaxBackoff:    duration(10 * time.Minute),
 		},
 		State: stateConfig{Dir: "/var/lib/proxyd"},
-		Pool: poolConfig{
+		Pool: poolSection{
 			Strategy:          "round-robin",
 			FailureThreshold:  3,
 			EjectBase:         duration(30 * time.Second),

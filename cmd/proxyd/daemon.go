@@ -1,0 +1,515 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"reflect"
+	"slices"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
+
+	"github.com/proxyd/proxyd/agent"
+	"github.com/proxyd/proxyd/forward"
+	"github.com/proxyd/proxyd/metrics"
+	"github.com/proxyd/proxyd/pool"
+)
+
+// daemon is `proxyd run`: the agent's poll loops feeding the pool, the
+// listeners drawing from it, the admin server, state and systemd. Run and
+// Close are what end-to-end tests drive.
+type daemon struct {
+	log     *slog.Logger
+	getenv  func(string) string
+	notify  *notifier
+	reg     *prometheus.Registry
+	metrics *metrics.Metrics
+	client  *agent.Client
+	poller  *agent.Poller
+	pool    *pool.Pool
+
+	mu        sync.Mutex
+	cfg       config
+	listeners map[string]*runningListener
+	admin     *adminServer
+	savedAt   time.Time
+	lastSaved []byte
+	readyOnce sync.Once
+
+	ready chan struct{} // closed once every listener accepts
+	wg    sync.WaitGroup
+}
+
+// runningListener is one served listener and its accept loop.
+type runningListener struct {
+	cfg  listenerConfig
+	l    *forward.Listener
+	done chan struct{} // closed when Serve returned
+}
+
+type daemonOptions struct {
+	getenv func(string) string
+	logger *slog.Logger
+}
+
+func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
+	if opts.getenv == nil {
+		opts.getenv = os.Getenv
+	}
+	logger := opts.logger
+	if logger == nil {
+		logger = newLogger(cfg.Log, os.Stderr)
+	}
+	d := &daemon{
+		log:       logger,
+		getenv:    opts.getenv,
+		notify:    newNotifier(opts.getenv),
+		reg:       prometheus.NewRegistry(),
+		cfg:       cfg,
+		listeners: map[string]*runningListener{},
+		ready:     make(chan struct{}),
+	}
+	var err error
+	d.metrics, err = metrics.New(d.reg, metrics.Options{
+		Version:   version,
+		Listeners: listenerNames(cfg.Listener),
+		Services:  cfg.API.Services,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("registering metrics: %w", err)
+	}
+	token, login, password, source, err := cfg.API.credential(opts.getenv)
+	if err != nil {
+		return nil, err
+	}
+	d.client, err = agent.New(agent.Config{
+		BaseURL:  cfg.API.BaseURL,
+		Token:    token,
+		Login:    login,
+		Password: password,
+		Timeout:  cfg.API.Timeout.D(),
+		Version:  version,
+		Observe:  d.metrics.APIRequest,
+		Logger:   logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("configuring the API client: %w", err)
+	}
+	logger.Debug("API credential", "source", source)
+
+	d.pool, err = pool.New(poolConfig(cfg.Pool), pool.Options{
+		Logger: logger,
+		Hooks: pool.Hooks{
+			Failure: func(service int, r pool.Result) { d.metrics.UpstreamFailure(service, r.String()) },
+			Ejected: d.metrics.Ejection,
+			Rotated: d.metrics.Rotation,
+		},
+		Rotator: rotatorFunc(func(ctx context.Context, service int, server, session string) (string, error) {
+			return d.poller.Rotate(ctx, service, server, session)
+		}),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("configuring the pool: %w", err)
+	}
+	d.pool.SetListeners(listenerSlices(cfg.Listener))
+	d.metrics.SetPoolSource(d.pool.Explain)
+
+	d.poller, err = agent.NewPoller(d.client, pollConfig(cfg), d.apply, logger)
+	if err != nil {
+		return nil, fmt.Errorf("configuring the poll loops: %w", err)
+	}
+	return d, nil
+}
+
+type rotatorFunc func(ctx context.Context, service int, server, session string) (string, error)
+
+func (f rotatorFunc) Rotate(ctx context.Context, service int, server, session string) (string, error) {
+	return f(ctx, service, server, session)
+}
+
+// Run serves until ctx ends, then drains and stops. A listener or admin
+// address that cannot be bound fails Run at once.
+func (d *daemon) Run(ctx context.Context) error {
+	d.loadState()
+
+	d.mu.Lock()
+	cfg := d.cfg
+	for _, lc := range cfg.Listener {
+		if err := d.startListener(lc); err != nil {
+			d.mu.Unlock()
+			d.closeListeners()
+			return err
+		}
+	}
+	admin, err := startAdmin(cfg.Admin, d)
+	if err != nil {
+		d.mu.Unlock()
+		d.closeListeners()
+		return err
+	}
+	d.admin = admin
+	d.mu.Unlock()
+
+	bg, stopBG := context.WithCancel(context.Background())
+	d.wg.Add(3)
+	go func() { defer d.wg.Done(); d.poller.Run(bg) }()
+	go func() { defer d.wg.Done(); d.pool.Run(bg) }()
+	go func() { defer d.wg.Done(); d.watchdog(bg) }()
+
+	close(d.ready)
+	if err := d.notify.ready(); err != nil {
+		d.log.Warn("systemd notify failed", "err", err)
+	}
+	d.log.Info("proxyd serving", "listeners", len(cfg.Listener), "admin", cfg.Admin.Address, "upstreams", len(d.pool.Upstreams()))
+
+	<-ctx.Done()
+	d.notify.stopping()
+	d.log.Info("stopping: draining connections", "timeout", cfg.Shutdown.DrainTimeout.D())
+	drain, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.DrainTimeout.D())
+	d.shutdownListeners(drain)
+	cancel()
+	stopBG()
+	d.wg.Wait()
+	d.admin.close()
+	d.log.Info("stopped")
+	return nil
+}
+
+// listen binds with SO_REUSEPORT so that a reload can bind a listener's
+// new incarnation before the old one lets go of the address.
+func listen(address string) (net.Listener, error) {
+	lc := net.ListenConfig{Control: func(network, address string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
+		})
+		if err != nil {
+			return err
+		}
+		return serr
+	}}
+	return lc.Listen(context.Background(), "tcp", address)
+}
+
+// startListener binds and serves one listener; d.mu is held.
+func (d *daemon) startListener(lc listenerConfig) error {
+	fc, err := forwardConfig(lc)
+	if err != nil {
+		return err
+	}
+	l, err := forward.NewListener(fc, d.pool, d.metrics.Listener(lc.Name), d.log.With("listener", lc.Name))
+	if err != nil {
+		return fmt.Errorf("listener %s: %w", lc.Name, err)
+	}
+	ln, err := listen(lc.Address)
+	if err != nil {
+		return fmt.Errorf("listener %s: %w", lc.Name, err)
+	}
+	rl := &runningListener{cfg: lc, l: l, done: make(chan struct{})}
+	d.listeners[lc.Name] = rl
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		defer close(rl.done)
+		if err := l.Serve(ln); err != nil {
+			d.log.Error("listener stopped", "listener", lc.Name, "err", err)
+		}
+	}()
+	return nil
+}
+
+func (d *daemon) shutdownListeners(ctx context.Context) {
+	d.mu.Lock()
+	ls := make([]*runningListener, 0, len(d.listeners))
+	for _, rl := range d.listeners {
+		ls = append(ls, rl)
+	}
+	d.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, rl := range ls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := rl.l.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+				d.log.Warn("listener shutdown", "listener", rl.cfg.Name, "err", err)
+			}
+			rl.l.Close()
+		}()
+	}
+	wg.Wait()
+}
+
+func (d *daemon) closeListeners() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for name, rl := range d.listeners {
+		rl.l.Close()
+		delete(d.listeners, name)
+	}
+}
+
+// Reload swaps in a new config: listeners added, removed or changed without
+// touching the ones that stay the same. On error the old config stays.
+func (d *daemon) Reload(next config) error {
+	d.notify.reloading()
+	defer d.notify.ready()
+	if errs := wireProblems(&next); len(errs) > 0 {
+		d.metrics.ConfigReloaded(false)
+		return errs
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !reflect.DeepEqual(next.API, d.cfg.API) || !reflect.DeepEqual(next.Poll, d.cfg.Poll) ||
+		!reflect.DeepEqual(next.Pool, d.cfg.Pool) || next.State != d.cfg.State || next.Admin != d.cfg.Admin {
+		d.log.Warn("reload: only [[listener]], [log] and [shutdown] changes take effect without a restart; other sections keep their running values")
+	}
+	// Start the new and changed listeners first; only when all bound do the
+	// old incarnations go.
+	var started []string
+	var retire []*runningListener
+	old := d.listeners
+	d.listeners = map[string]*runningListener{}
+	for _, lc := range next.Listener {
+		if rl, ok := old[lc.Name]; ok && reflect.DeepEqual(rl.cfg, lc) {
+			d.listeners[lc.Name] = rl
+			continue
+		}
+		if err := d.startListener(lc); err != nil {
+			for _, name := range started {
+				d.listeners[name].l.Close()
+			}
+			d.listeners = old
+			d.metrics.ConfigReloaded(false)
+			return err
+		}
+		started = append(started, lc.Name)
+	}
+	for name, rl := range old {
+		if d.listeners[name] != rl {
+			retire = append(retire, rl)
+		}
+	}
+	for _, lc := range next.Listener {
+		d.metrics.AddListener(lc.Name)
+	}
+	d.pool.SetListeners(listenerSlices(next.Listener))
+	d.cfg.Listener = next.Listener
+	d.cfg.Log = next.Log
+	d.cfg.Shutdown = next.Shutdown
+	drain := next.Shutdown.DrainTimeout.D()
+	for _, rl := range retire {
+		d.wg.Add(1)
+		go func() {
+			defer d.wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), drain)
+			defer cancel()
+			rl.l.Shutdown(ctx)
+			rl.l.Close()
+		}()
+	}
+	d.metrics.ConfigReloaded(true)
+	d.log.Info("config reloaded", "listeners", len(next.Listener), "started", started, "retired", len(retire))
+	return nil
+}
+
+// watchdog pings systemd at half of WATCHDOG_USEC while the accept loops and
+// the poll loops are alive.
+func (d *daemon) watchdog(ctx context.Context) {
+	every := watchdogInterval(d.getenv)
+	if every <= 0 || !d.notify.enabled() {
+		return
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	maxAge := d.cfg.API.Timeout.D() + 10*time.Second
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if alive, why := d.alive(maxAge); alive {
+			d.notify.watchdog()
+		} else {
+			d.log.Error("not pinging the systemd watchdog", "reason", why)
+		}
+	}
+}
+
+func (d *daemon) alive(maxAge time.Duration) (bool, string) {
+	d.mu.Lock()
+	for name, rl := range d.listeners {
+		select {
+		case <-rl.done:
+			d.mu.Unlock()
+			return false, "listener " + name + " stopped accepting"
+		default:
+		}
+	}
+	d.mu.Unlock()
+	if !d.poller.Alive(maxAge) {
+		return false, "a poll loop is stuck"
+	}
+	return true, ""
+}
+
+// apply turns an agent snapshot into pool updates (DESIGN.md §2) and saves
+// the state. Services whose lists are not known yet keep the upstreams the
+// pool has (from the state file), so a partial first poll never empties it.
+func (d *daemon) apply(s agent.Snapshot) {
+	prev := d.pool.Upstreams()
+	known := map[int]bool{}
+	var next []pool.Upstream
+	for i := range s.Services {
+		st := &s.Services[i]
+		if !st.ListsKnown {
+			continue
+		}
+		known[st.ID] = true
+		for _, u := range st.Upstreams() {
+			next = append(next, pool.Upstream{
+				Service: u.Service, Kind: pool.Kind(u.Kind), Protocol: pool.Protocol(u.Protocol),
+				Address: u.Address, Username: u.Username, Password: u.Password,
+				Server: u.Server, Session: u.Session, ExitIP: u.ExitIP,
+			})
+		}
+	}
+	dropped := map[int]bool{}
+	for _, id := range s.Dropped {
+		dropped[id] = true
+	}
+	served := map[int]bool{}
+	for _, st := range s.Services {
+		served[st.ID] = true
+	}
+	for _, u := range prev {
+		if known[u.Service] || dropped[u.Service] {
+			continue
+		}
+		if s.AccountKnown && !served[u.Service] {
+			continue
+		}
+		next = append(next, pool.Upstream{Service: u.Service, Kind: u.Kind, Protocol: u.Protocol, Address: u.Address,
+			Username: u.Username, Password: u.Password, Server: u.Server, Session: u.Session, ExitIP: u.ExitIP})
+	}
+	if len(known) > 0 || len(dropped) > 0 {
+		d.pool.Update(next)
+		d.metrics.PoolUpdated(time.Now())
+	}
+	status := map[int]savedStatus{}
+	quota := map[int]bool{}
+	var account metrics.Account
+	account.Credit, account.Known = s.Credit, s.CreditKnown
+	for _, st := range s.Services {
+		if st.StatusKnown {
+			d.pool.SetProviderStatus(st.ID, st.Errored, st.Inactive)
+			status[st.ID] = savedStatus{Errored: st.Errored, Inactive: st.Inactive}
+		}
+		if st.HasUsage {
+			reached := st.Limit > 0 && st.Rate >= st.Limit
+			d.pool.SetQuota(st.ID, reached)
+			quota[st.ID] = reached
+			d.metrics.SetUsage(st.ID, st.Rate, st.Limit)
+		}
+		account.Services = append(account.Services, metrics.ServiceInfo{
+			ID: st.ID, Product: st.Record.ProductName, Kind: st.Record.ProductType,
+			Status: st.Record.Status, Due: st.Record.NextDueDate.Time,
+		})
+	}
+	if s.AccountKnown {
+		d.metrics.SetAccount(account)
+		ids := make([]int, 0, len(s.Services))
+		for _, st := range s.Services {
+			ids = append(ids, st.ID)
+		}
+		d.metrics.SetServices(ids)
+	}
+	d.saveState(status, quota)
+}
+
+func (d *daemon) saveState(status map[int]savedStatus, quota map[int]bool) {
+	ups := d.pool.Upstreams()
+	st := &savedState{Version: stateVersion, Status: status, Quota: quota}
+	for _, u := range ups {
+		st.Upstreams = append(st.Upstreams, savedUpstream{
+			Service: u.Service, Kind: string(u.Kind), Protocol: string(u.Protocol), Address: u.Address,
+			Username: u.Username, Password: u.Password, Server: u.Server, Session: u.Session, ExitIP: u.ExitIP,
+		})
+	}
+	slices.SortFunc(st.Upstreams, func(a, b savedUpstream) int {
+		if a.Service != b.Service {
+			return a.Service - b.Service
+		}
+		if a.Address != b.Address {
+			if a.Address < b.Address {
+				return -1
+			}
+			return 1
+		}
+		if a.Protocol+a.Session < b.Protocol+b.Session {
+			return -1
+		}
+		return 0
+	})
+	key := fmt.Sprintf("%v", st) // content without the time: save only what changed
+	d.mu.Lock()
+	same := string(d.lastSaved) == key
+	d.mu.Unlock()
+	if same {
+		return
+	}
+	st.Saved = time.Now().UTC()
+	if err := writeState(d.cfg.State.Dir, st); err != nil {
+		d.log.Warn("saving pool state", "err", err)
+		return
+	}
+	d.mu.Lock()
+	d.lastSaved = []byte(key)
+	d.savedAt = st.Saved
+	d.mu.Unlock()
+	d.metrics.SetStateTime(st.Saved)
+}
+
+// loadState serves the last known pool until the API answers.
+func (d *daemon) loadState() {
+	st, err := readState(d.cfg.State.Dir)
+	if err != nil {
+		d.log.Warn("ignoring saved pool state", "err", err)
+		return
+	}
+	if st == nil {
+		d.log.Info("no saved pool state; waiting for the provider API", "dir", d.cfg.State.Dir)
+		return
+	}
+	ups := make([]pool.Upstream, 0, len(st.Upstreams))
+	for _, u := range st.Upstreams {
+		ups = append(ups, pool.Upstream{Service: u.Service, Kind: pool.Kind(u.Kind), Protocol: pool.Protocol(u.Protocol),
+			Address: u.Address, Username: u.Username, Password: u.Password, Server: u.Server, Session: u.Session, ExitIP: u.ExitIP})
+	}
+	d.pool.Update(ups)
+	for id, s := range st.Status {
+		d.pool.SetProviderStatus(id, s.Errored, s.Inactive)
+	}
+	for id, q := range st.Quota {
+		d.pool.SetQuota(id, q)
+	}
+	d.savedAt = st.Saved
+	d.metrics.SetStateTime(st.Saved)
+	d.metrics.PoolUpdated(st.Saved)
+	d.log.Info("serving the saved pool until the provider API answers", "upstreams", len(ups), "saved", st.Saved.Format(time.RFC3339))
+}
+
+func listenerNames(ls []listenerConfig) []string {
+	names := make([]string, len(ls))
+	for i, l := range ls {
+		names[i] = l.Name
+	}
+	return names
+}

@@ -1,0 +1,83 @@
+package main
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// notifier speaks the systemd notify protocol (sd_notify(3)) on
+// $NOTIFY_SOCKET. Without the variable every call is a no-op, so the daemon
+// runs the same outside systemd.
+type notifier struct {
+	addr *net.UnixAddr
+}
+
+func newNotifier(getenv func(string) string) *notifier {
+	path := getenv("NOTIFY_SOCKET")
+	if path == "" {
+		return &notifier{}
+	}
+	if strings.HasPrefix(path, "@") { // abstract namespace
+		path = "\x00" + path[1:]
+	}
+	return &notifier{addr: &net.UnixAddr{Name: path, Net: "unixgram"}}
+}
+
+func (n *notifier) enabled() bool { return n.addr != nil }
+
+// send writes one datagram of newline-separated assignments.
+func (n *notifier) send(state ...string) error {
+	if n.addr == nil {
+		return nil
+	}
+	conn, err := net.DialUnix("unixgram", nil, n.addr)
+	if err != nil {
+		return fmt.Errorf("notifying systemd: %w", err)
+	}
+	defer conn.Close()
+	if _, err := conn.Write([]byte(strings.Join(state, "\n"))); err != nil {
+		return fmt.Errorf("notifying systemd: %w", err)
+	}
+	return nil
+}
+
+func (n *notifier) ready() error { return n.send("READY=1") }
+
+// reloading must carry MONOTONIC_USEC (CLOCK_MONOTONIC) for systemd to
+// accept it.
+func (n *notifier) reloading() error {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		return fmt.Errorf("reading the monotonic clock: %w", err)
+	}
+	usec := ts.Sec*1e6 + ts.Nsec/1e3
+	return n.send("RELOADING=1", fmt.Sprintf("MONOTONIC_USEC=%d", usec))
+}
+
+func (n *notifier) stopping() error { return n.send("STOPPING=1") }
+
+func (n *notifier) watchdog() error { return n.send("WATCHDOG=1") }
+
+func (n *notifier) status(s string) error { return n.send("STATUS=" + s) }
+
+// watchdogInterval returns half of $WATCHDOG_USEC when the watchdog is on
+// for this process, else 0.
+func watchdogInterval(getenv func(string) string) time.Duration {
+	usec := getenv("WATCHDOG_USEC")
+	if usec == "" {
+		return 0
+	}
+	if pid := getenv("WATCHDOG_PID"); pid != "" && pid != fmt.Sprint(os.Getpid()) {
+		return 0
+	}
+	var n int64
+	if _, err := fmt.Sscan(usec, &n); err != nil || n <= 0 {
+		return 0
+	}
+	return time.Duration(n) * time.Microsecond / 2
+}

@@ -1,0 +1,73 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+// cmdRun is `proxyd run`: SIGINT/SIGTERM (ctx) drain and stop, SIGHUP
+// reloads the config file.
+func cmdRun(ctx context.Context, args []string, io stdio) int {
+	fs := flag.NewFlagSet("run", flag.ContinueOnError)
+	fs.SetOutput(io.err)
+	path := fs.String("config", defaultConfigPath, "config file")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	cfg, err := loadConfig(*path)
+	if err == nil {
+		if errs := wireProblems(&cfg); len(errs) > 0 {
+			err = errs
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(io.err, "proxyd: %s:\n%v\n", *path, err)
+		return 1
+	}
+	logger := newLogger(cfg.Log, io.err)
+	d, err := newDaemon(cfg, daemonOptions{getenv: io.getenv, logger: logger})
+	if err != nil {
+		fmt.Fprintf(io.err, "proxyd: %v\n", err)
+		return 1
+	}
+
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	reloads := make(chan struct{})
+	go func() {
+		defer close(reloads)
+		for {
+			select {
+			case <-runCtx.Done():
+				return
+			case <-hup:
+			}
+			next, err := loadConfig(*path)
+			if err != nil {
+				logger.Error("reload refused; keeping the running config", "config", *path, "err", err)
+				d.notify.reloading()
+				d.metrics.ConfigReloaded(false)
+				d.notify.ready()
+				continue
+			}
+			if err := d.Reload(next); err != nil {
+				logger.Error("reload refused; keeping the running config", "config", *path, "err", err)
+			}
+		}
+	}()
+	err = d.Run(runCtx)
+	stop()
+	<-reloads
+	if err != nil {
+		fmt.Fprintf(io.err, "proxyd: %v\n", err)
+		return 1
+	}
+	return 0
+}
