@@ -1,0 +1,178 @@
+package pool
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+func assignAll(t *testing.T, p *Pool, keys int) map[string]string {
+	t.Helper()
+	got := make(map[string]string, keys)
+	for i := range keys {
+		k := fmt.Sprintf("user1\x00key%d", i)
+		got[k] = pickReport(t, p, Request{Key: k}, Success).ID()
+	}
+	return got
+}
+
+func TestStickyOnlyTheLostUpstreamsKeysMove(t *testing.T) {
+	for _, how := range []string{"removed", "ejected", "provider_error"} {
+		for _, strategy := range []string{RoundRobin, Random, LeastConn, Latency} {
+			t.Run(how+"/"+strategy, func(t *testing.T) {
+				clk := newClock()
+				p := newTestPool(t, Config{Strategy: strategy}, Options{Now: clk.Now})
+				const n, keys = 10, 1000
+				set := ups(1, n)
+				p.Update(set)
+				before := assignAll(t, p, keys)
+				lost := set[4]
+				onLost := 0
+				for _, id := range before {
+					if id == lost.ID() {
+						onLost++
+					}
+				}
+				if onLost == 0 {
+					t.Fatalf("no key on %s", lost.ID())
+				}
+				switch how {
+				case "removed":
+					p.Update(append(append([]Upstream{}, set[:4]...), set[5:]...))
+				case "ejected":
+					fail(p, handle(p, lost), 3)
+				case "provider_error":
+					p.SetProviderStatus(1, []string{hostPart(lost.Address)}, nil)
+				}
+				after := assignAll(t, p, keys)
+				moved := 0
+				for k, id := range after {
+					switch {
+					case before[k] == lost.ID():
+						if id == lost.ID() {
+							t.Fatalf("key %q stayed on the lost upstream", k)
+						}
+						moved++
+					case id != before[k]:
+						t.Fatalf("key %q moved from %s to %s though its upstream is fine", k, before[k], id)
+					}
+				}
+				if moved != onLost {
+					t.Errorf("%d keys moved, %d were on the lost upstream", moved, onLost)
+				}
+				// Each moved once: asking again changes nothing.
+				if again := assignAll(t, p, keys); !equalMaps(again, after) {
+					t.Errorf("keys moved a second time")
+				}
+				// The lost upstream recovers: its old keys stay where they are.
+				switch how {
+				case "removed":
+					p.Update(set)
+				case "ejected":
+					clk.Advance(40 * time.Second) // past the ejection (30s ± 20 %), well within StickyIdle
+					p.Report(handle(p, lost), Success, time.Millisecond)
+				case "provider_error":
+					p.SetProviderStatus(1, nil, nil)
+				}
+				if s := stateOf(t, p, lost.ID()); s.State != Healthy {
+					t.Fatalf("recovered upstream: %s", s.State)
+				}
+				if again := assignAll(t, p, keys); !equalMaps(again, after) {
+					t.Errorf("keys moved back after recovery")
+				}
+				// New keys use it again.
+				seen := false
+				for i := range 3 * n {
+					if pickReport(t, p, Request{Key: fmt.Sprintf("new%d", i)}, Success).ID() == lost.ID() {
+						seen = true
+					}
+				}
+				if !seen {
+					t.Errorf("no new key on the recovered upstream")
+				}
+			})
+		}
+	}
+}
+
+func equalMaps(a, b map[string]string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if b[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+func TestStickyAvoidAndListeners(t *testing.T) {
+	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	set := ups(1, 3)
+	set[2].Protocol = SOCKS5
+	p.Update(set)
+	p.SetListeners([]ListenerSlice{{Name: "http", Protocol: HTTP}, {Name: "socks", Protocol: SOCKS5}})
+	a := pickReport(t, p, Request{Listener: "http", Key: "k"}, Success)
+	// A retry that already tried the key's upstream goes elsewhere, once.
+	b := pickReport(t, p, Request{Listener: "http", Key: "k", Avoid: []string{a.ID()}}, DialRefused)
+	if b.ID() == a.ID() {
+		t.Errorf("Avoid ignored")
+	}
+	if c := pickReport(t, p, Request{Listener: "http", Key: "k"}, Success); c.ID() != a.ID() {
+		t.Errorf("key moved by a retry: %s, want %s", c.ID(), a.ID())
+	}
+	// The same key on another listener is its own assignment.
+	if s := pickReport(t, p, Request{Listener: "socks", Key: "k"}, Success); s.ID() != set[2].ID() {
+		t.Errorf("socks listener: %s", s.ID())
+	}
+	if c := pickReport(t, p, Request{Listener: "http", Key: "k"}, Success); c.ID() != a.ID() {
+		t.Errorf("key moved by another listener's pick: %s", c.ID())
+	}
+}
+
+func TestStickyTableCapAndIdle(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{StickyMax: 100, StickyIdle: time.Minute}, Options{Now: clk.Now})
+	p.Update(ups(1, 5))
+	for i := range 150 {
+		pickReport(t, p, Request{Key: fmt.Sprint(i)}, Success)
+		clk.Advance(time.Millisecond)
+	}
+	if n := p.sticky.len(); n != 100 {
+		t.Fatalf("table holds %d keys, cap 100", n)
+	}
+	for i := range 150 {
+		if got := p.sticky.lookup("", fmt.Sprint(i)) != nil; got != (i >= 50) {
+			t.Fatalf("key %d present %v", i, got)
+		}
+	}
+	// Using a key makes it recent: the next eviction takes the one after it.
+	pickReport(t, p, Request{Key: "50"}, Success)
+	pickReport(t, p, Request{Key: "new"}, Success)
+	if p.sticky.lookup("", "50") == nil || p.sticky.lookup("", "51") != nil {
+		t.Errorf("evicted the wrong key")
+	}
+	// Idle keys expire, in the sweep and on lookup.
+	clk.Advance(30 * time.Second)
+	pickReport(t, p, Request{Key: "52"}, Success)
+	clk.Advance(31 * time.Second)
+	p.sweep()
+	if n := p.sticky.len(); n != 1 || p.sticky.lookup("", "52") == nil {
+		t.Errorf("after the sweep: %d keys, want only the one used 31s ago", n)
+	}
+	clk.Advance(time.Minute)
+	pickReport(t, p, Request{Key: "52"}, Success) // expired: assigned afresh
+	if n := p.sticky.len(); n != 1 {
+		t.Errorf("%d keys", n)
+	}
+}
+
+func TestStickyTableShards(t *testing.T) {
+	for _, tt := range []struct{ max, shards int }{{1, 1}, {100, 1}, {2048, 2}, {100000, 64}, {10000000, 64}} {
+		st := newStickyTable(tt.max)
+		if len(st.shards) != tt.shards || st.perShard*len(st.shards) < tt.max {
+			t.Errorf("max %d: %d shards of %d", tt.max, len(st.shards), st.perShard)
+		}
+	}
+}
