@@ -1,0 +1,304 @@
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeRotator records calls and answers through fn.
+type fakeRotator struct {
+	mu    sync.Mutex
+	calls []string
+	fn    func(ctx context.Context, session string) (string, error)
+	seen  chan string // each call's session, if set
+}
+
+func (f *fakeRotator) Rotate(ctx context.Context, service int, server, session string) (string, error) {
+	f.mu.Lock()
+	f.calls = append(f.calls, fmt.Sprintf("%d/%s/%s", service, server, session))
+	fn := f.fn
+	f.mu.Unlock()
+	if f.seen != nil {
+		f.seen <- session
+	}
+	return fn(ctx, session)
+}
+
+func (f *fakeRotator) count() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.calls)
+}
+
+// rotations collects Rotated hook results.
+type rotations struct {
+	mu      sync.Mutex
+	results []string
+}
+
+func (r *rotations) hook(_ int, result string) {
+	r.mu.Lock()
+	r.results = append(r.results, result)
+	r.mu.Unlock()
+}
+
+func (r *rotations) get() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.results...)
+}
+
+type rateLimitedErr struct{}
+
+func (rateLimitedErr) Error() string     { return "429: rotated too recently" }
+func (rateLimitedErr) RateLimited() bool { return true }
+
+func TestRotationRateLimitAndResults(t *testing.T) {
+	clk := newClock()
+	var answer error
+	var mu sync.Mutex
+	rot := &fakeRotator{fn: func(context.Context, string) (string, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		return "203.0.113.99", answer
+	}}
+	var rs rotations
+	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+	ss := sessions(7, 3, "198.51.100.1")
+	p.Update(ss)
+	s0 := handle(p, ss[0])
+	fail(p, s0, 1)
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
+	rot.mu.Lock()
+	if len(rot.calls) != 1 || rot.calls[0] != "7/gw.example.net/s0" {
+		t.Errorf("calls %v", rot.calls)
+	}
+	rot.mu.Unlock()
+	if s := stateOf(t, p, ss[0].ID()); s.State != Healthy || s.ExitIP != "203.0.113.99" || s.ConsecutiveFailures != 0 {
+		t.Errorf("after the rotation: %+v", s)
+	}
+	// Within the interval: no call, counted as rate_limited.
+	clk.Advance(29 * time.Second)
+	fail(p, handle(p, ss[0]), 1)
+	if got := rs.get(); rot.count() != 1 || len(got) != 2 || got[1] != "rate_limited" {
+		t.Errorf("within the interval: %d calls, results %v", rot.count(), got)
+	}
+	// Past it: rotated again; the provider's answers are classified.
+	for i, tt := range []struct {
+		err  error
+		want string
+	}{
+		{errors.New("502 from the api"), "error"},
+		{fmt.Errorf("rotating: %w", ErrRotateRateLimited), "rate_limited"},
+		{fmt.Errorf("rotating: %w", rateLimitedErr{}), "rate_limited"},
+		{nil, "ok"},
+	} {
+		mu.Lock()
+		answer = tt.err
+		mu.Unlock()
+		clk.Advance(30 * time.Second)
+		fail(p, handle(p, ss[0]), 1)
+		waitFor(t, "the rotation", func() bool { return len(rs.get()) == 3+i })
+		if got := rs.get()[2+i]; got != tt.want {
+			t.Errorf("answer %v: result %q, want %q", tt.err, got, tt.want)
+		}
+	}
+	if rot.count() != 5 {
+		t.Errorf("%d calls, want 5", rot.count())
+	}
+	// Other sessions are not rotated; fpr upstreams never.
+	p.Update(append(ss, ups(8, 1)...))
+	fail(p, handle(p, ups(8, 1)[0]), 1)
+	if rot.count() != 5 {
+		t.Errorf("an fpr failure rotated")
+	}
+}
+
+// stickyOn returns a key that the pool assigns to want.
+func stickyOn(t *testing.T, p *Pool, want string) string {
+	t.Helper()
+	for i := range 100 {
+		k := fmt.Sprint("key", i)
+		if pickReport(t, p, Request{Key: k}, Success).ID() == want {
+			return k
+		}
+	}
+	t.Fatalf("no key lands on %s", want)
+	return ""
+}
+
+func TestRotationReleasesWaitingKeys(t *testing.T) {
+	clk := newClock()
+	release := make(chan struct{})
+	started := make(chan string, 10)
+	rot := &fakeRotator{seen: started, fn: func(ctx context.Context, _ string) (string, error) {
+		select {
+		case <-release:
+			return "203.0.113.50", nil
+		case <-ctx.Done():
+			return "", ctx.Err()
+		}
+	}}
+	var rs rotations
+	p := newTestPool(t, Config{RotateWait: time.Minute}, Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+	ss := sessions(7, 3, "198.51.100.1")
+	p.Update(ss)
+	key := stickyOn(t, p, ss[0].ID())
+	other := stickyOn(t, p, ss[1].ID())
+
+	// The key's connection fails; it retries with the session in Avoid.
+	u := mustPick(t, p, Request{Key: key})
+	p.Report(u, DialRefused, time.Millisecond)
+	p.Release(u)
+	<-started
+	if s := stateOf(t, p, ss[0].ID()); s.State != Rotating || s.Reason != "dial_refused" {
+		t.Fatalf("state %s %q, want rotating", s.State, s.Reason)
+	}
+	type res struct {
+		u   *Upstream
+		err error
+	}
+	const waiters = 5
+	got := make(chan res, waiters)
+	for i := range waiters {
+		req := Request{Key: key}
+		if i == 0 {
+			req.Avoid = []string{ss[0].ID()}
+		}
+		go func() {
+			u, err := p.Pick(context.Background(), req)
+			got <- res{u, err}
+		}()
+	}
+	// Other picks never wait, and never get the rotating session.
+	for range 20 {
+		for _, req := range []Request{{}, {Key: other}, {Key: "fresh"}} {
+			u := pickReport(t, p, req, Success)
+			if u.ID() == ss[0].ID() {
+				t.Fatalf("picked the rotating session for %+v", req)
+			}
+		}
+	}
+	select {
+	case r := <-got:
+		t.Fatalf("a waiting key's pick returned before the rotation: %+v", r)
+	default:
+	}
+	close(release)
+	for range waiters {
+		r := <-got
+		if r.err != nil || r.u.ID() != ss[0].ID() || r.u.ExitIP != "203.0.113.50" {
+			t.Fatalf("waiting pick: %v %+v", r.err, r.u)
+		}
+		p.Report(r.u, Success, time.Millisecond)
+		p.Release(r.u)
+	}
+	if s := stateOf(t, p, ss[0].ID()); s.State != Healthy || s.InFlight != 0 {
+		t.Errorf("after the rotation: %+v", s)
+	}
+	if got := rs.get(); len(got) != 1 || got[0] != "ok" {
+		t.Errorf("results %v", got)
+	}
+}
+
+func TestRotationFallbackAfterBound(t *testing.T) {
+	clk := newClock()
+	rot := &fakeRotator{fn: func(ctx context.Context, _ string) (string, error) {
+		<-ctx.Done() // never answers; Run's end cancels it
+		return "", ctx.Err()
+	}}
+	const bound = 50 * time.Millisecond
+	p := newTestPool(t, Config{RotateWait: bound}, Options{Now: clk.Now, Rotator: rot})
+	ss := sessions(7, 3, "198.51.100.1")
+	p.Update(ss)
+	key := stickyOn(t, p, ss[0].ID())
+	fail(p, handle(p, ss[0]), 1)
+	start := time.Now()
+	u := mustPick(t, p, Request{Key: key})
+	if took := time.Since(start); took < bound {
+		t.Errorf("returned after %s, before the bound %s", took, bound)
+	}
+	if u.ID() == ss[0].ID() {
+		t.Fatalf("fell back to the rotating session")
+	}
+	p.Report(u, Success, time.Millisecond)
+	p.Release(u)
+	// The fallback was for that connection only.
+	if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
+		t.Errorf("key moved off its rotating session")
+	}
+	// A cancelled context ends the wait too.
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := p.Pick(ctx, Request{Key: key}); !errors.Is(err, context.Canceled) {
+		t.Errorf("cancelled wait: %v", err)
+	}
+}
+
+func TestRotationFailing(t *testing.T) {
+	clk := newClock()
+	release := make(chan struct{})
+	rot := &fakeRotator{fn: func(ctx context.Context, _ string) (string, error) {
+		<-release
+		return "", errors.New("503 from the api")
+	}}
+	var rs rotations
+	p := newTestPool(t, Config{RotateWait: time.Minute}, Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+	ss := sessions(7, 3, "198.51.100.1")
+	p.Update(ss)
+
+	// A failure-triggered rotation fails: waiting keys are released at once
+	// and stay on their session, which is not excluded by one failure.
+	key := stickyOn(t, p, ss[0].ID())
+	fail(p, handle(p, ss[0]), 1)
+	got := make(chan *Upstream, 1)
+	go func() {
+		u, _ := p.Pick(context.Background(), Request{Key: key})
+		got <- u
+	}()
+	waitFor(t, "the rotation to start", func() bool { return rot.count() == 1 })
+	start := time.Now()
+	release <- struct{}{}
+	u := <-got
+	if took := time.Since(start); took > 10*time.Second || u == nil || u.ID() != ss[0].ID() {
+		t.Fatalf("after a failed rotation: %v after %s", u, took)
+	}
+	p.Report(u, Success, time.Millisecond)
+	p.Release(u)
+
+	// An errored exit IP: the session is rotated, not used meanwhile, and
+	// when the rotation fails it stays out as provider_error; its key moves.
+	key1 := stickyOn(t, p, ss[1].ID())
+	p.SetProviderStatus(7, []string{ss[1].ExitIP}, nil)
+	waitFor(t, "the rotation to start", func() bool { return rot.count() == 2 })
+	if s := stateOf(t, p, ss[1].ID()); s.State != Rotating || s.Reason != "exit ip on the provider's errored list" {
+		t.Errorf("rotating: %s %q", s.State, s.Reason)
+	}
+	release <- struct{}{}
+	waitFor(t, "the result", func() bool { return len(rs.get()) == 2 })
+	if got := rs.get(); got[0] != "error" || got[1] != "error" {
+		t.Errorf("results %v", got)
+	}
+	if s := stateOf(t, p, ss[1].ID()); s.State != ProviderError {
+		t.Errorf("after the failed rotation: %s", s.State)
+	}
+	if u := pickReport(t, p, Request{Key: key1}, Success); u.ID() == ss[1].ID() {
+		t.Errorf("key stayed on an errored exit")
+	}
+	// The next status poll past the interval retries, and a success with a
+	// clean exit IP brings the session back.
+	close(release)
+	rot.mu.Lock()
+	rot.fn = func(context.Context, string) (string, error) { return "203.0.113.200", nil }
+	rot.mu.Unlock()
+	clk.Advance(30 * time.Second)
+	p.SetProviderStatus(7, []string{ss[1].ExitIP}, nil)
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 3 })
+	if s := stateOf(t, p, ss[1].ID()); s.State != Healthy || s.ExitIP != "203.0.113.200" {
+		t.Errorf("after a successful rotation: %+v", s)
+	}
+}
