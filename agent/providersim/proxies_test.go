@@ -1,0 +1,71 @@
+package providersim
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"testing"
+
+	"golang.org/x/net/proxy"
+)
+
+func TestProxiesRelay(t *testing.T) {
+	origin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "hello %s", r.URL.Path)
+	}))
+	defer origin.Close()
+
+	hp, err := StartProxy("http", "127.0.0.1:0", "h1", "u", "p")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hp.Close()
+	sp, err := StartProxy("socks5", "127.0.0.1:0", "s1", "u", "p")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.Close()
+
+	get := func(c *http.Client) (string, string, int) {
+		resp, err := c.Get(origin.URL + "/x")
+		if err != nil {
+			return "", "", 0
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return string(b), resp.Header.Get("X-Sim-Upstream"), resp.StatusCode
+	}
+	good := &http.Client{Transport: &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: hp.Addr(), User: url.UserPassword("u", "p")})}}
+	if body, via, code := get(good); body != "hello /x" || via != "h1" || code != 200 {
+		t.Fatalf("http proxy: %q via %q code %d", body, via, code)
+	}
+	bad := &http.Client{Transport: &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: hp.Addr(), User: url.UserPassword("u", "wrong")})}}
+	if _, _, code := get(bad); code != 407 {
+		t.Fatalf("wrong password: code %d, want 407", code)
+	}
+	d, err := proxy.SOCKS5("tcp", sp.Addr(), &proxy.Auth{User: "u", Password: "p"}, proxy.Direct)
+	if err != nil {
+		t.Fatal(err)
+	}
+	socksClient := &http.Client{Transport: &http.Transport{Dial: d.Dial}}
+	if body, _, code := get(socksClient); body != "hello /x" || code != 200 {
+		t.Fatalf("socks proxy: %q %d", body, code)
+	}
+	socksClient.CloseIdleConnections()
+	good.CloseIdleConnections()
+
+	hp.Down()
+	if _, _, code := get(&http.Client{Transport: &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: hp.Addr(), User: url.UserPassword("u", "p")})}}); code != 0 {
+		t.Fatalf("a proxy that is down answered %d", code)
+	}
+	if err := hp.Up(); err != nil {
+		t.Fatal(err)
+	}
+	c := &http.Client{Transport: &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: hp.Addr(), User: url.UserPassword("u", "p")})}}
+	if body, _, _ := get(c); body != "hello /x" {
+		t.Fatalf("after Up: %q", body)
+	}
+	c.CloseIdleConnections()
+}
