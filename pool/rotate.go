@@ -2,13 +2,15 @@ package pool
 
 import (
 	"errors"
+	"sync/atomic"
 )
 
 // rotation is one rotation of a ppr sticky session under way; done closes
 // when it ends, and ok says whether the session got a new exit IP.
 type rotation struct {
-	done chan struct{}
-	ok   bool
+	done    chan struct{}
+	ok      bool
+	waiting atomic.Int64 // picks waiting for it
 }
 
 // requestRotate asks the Rotator to rotate h's session, at most once per

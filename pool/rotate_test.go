@@ -183,6 +183,8 @@ func TestRotationReleasesWaitingKeys(t *testing.T) {
 			}
 		}
 	}
+	r := handle(p, ss[0]).h.rot.Load()
+	waitFor(t, "the picks to wait", func() bool { return r.waiting.Load() == waiters })
 	select {
 	case r := <-got:
 		t.Fatalf("a waiting key's pick returned before the rotation: %+v", r)
@@ -261,6 +263,8 @@ func TestRotationFailing(t *testing.T) {
 		got <- u
 	}()
 	waitFor(t, "the rotation to start", func() bool { return rot.count() == 1 })
+	r := handle(p, ss[0]).h.rot.Load()
+	waitFor(t, "the pick to wait", func() bool { return r.waiting.Load() == 1 })
 	start := time.Now()
 	release <- struct{}{}
 	u := <-got

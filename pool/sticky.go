@@ -238,6 +238,8 @@ func (p *Pool) pickOnce(sl *slice, avoid []string, skip *host) (*Upstream, error
 // waitRotation waits for r up to RotateWait; done is false when the bound
 // passed first. The error is the context's.
 func (p *Pool) waitRotation(ctx context.Context, r *rotation) (done bool, err error) {
+	r.waiting.Add(1)
+	defer r.waiting.Add(-1)
 	t := time.NewTimer(p.cfg.RotateWait)
 	defer t.Stop()
 	select {
