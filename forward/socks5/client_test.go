@@ -297,3 +297,86 @@ func TestClientHandshakeBadArguments(t *testing.T) {
 		t.Errorf("long password: err = %v", err)
 	}
 }
+
+// writeCounter is an in-memory upstream that counts the client's writes.
+type writeCounter struct {
+	r      *bytes.Reader
+	writes [][]byte
+}
+
+func (w *writeCounter) Read(b []byte) (int, error) { return w.r.Read(b) }
+func (w *writeCounter) Write(b []byte) (int, error) {
+	w.writes = append(w.writes, append([]byte(nil), b...))
+	return len(b), nil
+}
+
+func TestClientHandshakeWrites(t *testing.T) {
+	req := cat([]byte{5, 1, 0, AtypDomain, 11}, []byte("example.com"), []byte{1, 0xbb})
+	auth := userPass("session-abc", "pw")
+	cases := []struct {
+		name       string
+		c          Client
+		user       string
+		answers    []byte
+		wantWrites [][]byte
+	}{
+		{"no auth", Client{}, "", cat(okMethod, okReply4),
+			[][]byte{{5, 1, 0}, req}},
+		{"auth", Client{}, "session-abc", cat([]byte{5, 2, 1, 0}, okReply4),
+			[][]byte{{5, 2, 0, 2}, auth, req}},
+		{"pipelined no auth", Client{Pipeline: true}, "", cat(okMethod, okReply4),
+			[][]byte{cat([]byte{5, 1, 0}, req)}},
+		{"pipelined auth", Client{Pipeline: true}, "session-abc", cat([]byte{5, 2, 1, 0}, okReply4),
+			[][]byte{cat([]byte{5, 1, 2}, auth, req)}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			w := &writeCounter{r: bytes.NewReader(c.answers)}
+			if _, err := c.c.Handshake(w, exampleDst, c.user, "pw"); err != nil {
+				t.Fatal(err)
+			}
+			if fmt.Sprintf("%x", w.writes) != fmt.Sprintf("%x", c.wantWrites) {
+				t.Fatalf("writes %x, want %x", w.writes, c.wantWrites)
+			}
+			if w.r.Len() != 0 {
+				t.Fatalf("%d bytes of the answers left unread", w.r.Len())
+			}
+		})
+	}
+}
+
+func TestClientPipelineOverLoopback(t *testing.T) {
+	pipelined := Client{Pipeline: true}
+	t.Run("auth", func(t *testing.T) {
+		client, server := loopbackPair(t)
+		ch := make(chan seen, 1)
+		s := upstreamScript{method: []byte{5, 2}, authStatus: []byte{1, 0}, reply: okReply4, after: []byte("data")}
+		goOwned(t, func() { ch <- s.run(server) })
+		if _, err := pipelined.Handshake(client, exampleDst, "u", "p"); err != nil {
+			t.Fatal(err)
+		}
+		if got := readAllUntilEOF(client); string(got) != "data" {
+			t.Fatalf("after the reply: %q", got)
+		}
+		got := <-ch
+		if !bytes.Equal(got.greeting, []byte{5, 1, 2}) || !bytes.Equal(got.auth, userPass("u", "p")) || len(got.request) != 4+1+11+2 {
+			t.Fatalf("upstream saw %+v", got)
+		}
+	})
+	for _, c := range []struct {
+		name   string
+		method []byte
+		want   error
+	}{
+		{"no acceptable method", []byte{5, 0xff}, ErrAuthRejected},
+		{"no-auth selected though not offered", []byte{5, 0}, ErrMalformed},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			client, server := loopbackPair(t)
+			goOwned(t, func() { upstreamScript{method: c.method}.run(server) })
+			if _, err := pipelined.Handshake(client, exampleDst, "u", "p"); !errors.Is(err, c.want) {
+				t.Fatalf("err = %v, want %v", err, c.want)
+			}
+		})
+	}
+}

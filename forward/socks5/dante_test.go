@@ -166,17 +166,19 @@ func TestInteropDante(t *testing.T) {
 
 	okCases := []struct {
 		name       string
+		client     Client
 		dest       Addr
 		user, pass string
 	}{
-		{"ipv4", Addr{"127.0.0.1", mustPort(port)}, "", ""},
-		{"domain resolved by dante", Addr{"localhost", mustPort(port)}, "", ""},
-		{"credentials offered, none selected", Addr{"127.0.0.1", mustPort(port)}, "session-x", "p"},
+		{"ipv4", Client{}, Addr{"127.0.0.1", mustPort(port)}, "", ""},
+		{"domain resolved by dante", Client{}, Addr{"localhost", mustPort(port)}, "", ""},
+		{"credentials offered, none selected", Client{}, Addr{"127.0.0.1", mustPort(port)}, "session-x", "p"},
+		{"pipelined", Client{Pipeline: true}, Addr{"localhost", mustPort(port)}, "", ""},
 	}
 	for _, c := range okCases {
 		t.Run(c.name, func(t *testing.T) {
 			conn := dial(t)
-			bound, err := ClientHandshake(conn, c.dest, c.user, c.pass)
+			bound, err := c.client.Handshake(conn, c.dest, c.user, c.pass)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -333,14 +333,28 @@ func TestInteropOwnClientOwnServer(t *testing.T) {
 		return c
 	}
 
-	c := dial()
-	if _, err := ClientHandshake(c, Addr{"origin.test", mustPort(port)}, "session-1", "x"); err != nil {
-		t.Fatal(err)
-	}
-	io.WriteString(c, "GET / HTTP/1.0\r\nHost: origin.test\r\n\r\n")
-	b, _ := io.ReadAll(c)
-	if !strings.Contains(string(b), "hello from origin") {
-		t.Fatalf("response %q", b)
+	for _, c := range []struct {
+		name       string
+		client     Client
+		user, pass string
+	}{
+		{"no auth", Client{}, "", ""},
+		{"auth", Client{}, "session-1", "x"},
+		{"pipelined no auth", Client{Pipeline: true}, "", ""},
+		{"pipelined auth", Client{Pipeline: true}, "session-1", "x"},
+	} {
+		conn := dial()
+		if _, err := c.client.Handshake(conn, Addr{"origin.test", mustPort(port)}, c.user, c.pass); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		io.WriteString(conn, "GET / HTTP/1.0\r\nHost: origin.test\r\n\r\n")
+		b, _ := io.ReadAll(conn)
+		if !strings.Contains(string(b), "hello from origin") {
+			t.Fatalf("%s: response %q", c.name, b)
+		}
+		if o := s.next(t); o.err != nil || o.req.Username != c.user {
+			t.Fatalf("%s: server read %+v, %v", c.name, o.req, o.err)
+		}
 	}
 
 	var re *ReplyError
