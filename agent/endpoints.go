@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"sort"
 	"strconv"
+	"strings"
 )
 
 // Route templates of the 20 endpoints (PROVIDER_API.md §4), as reported to
@@ -150,12 +151,12 @@ func decodeIPs(body []byte) ([]string, error) {
 			}
 			continue
 		}
-		var t text
-		if err := json.Unmarshal(raw, &t); err != nil {
-			return nil, fmt.Errorf("element %d: %w", i, err)
+		var ip string
+		if err := json.Unmarshal(raw, &ip); err != nil {
+			return nil, fmt.Errorf("element %d: not an address: %w", i, err)
 		}
-		if t != "" {
-			out = append(out, string(t))
+		if ip = strings.TrimSpace(ip); ip != "" {
+			out = append(out, ip)
 		}
 	}
 	return out, nil

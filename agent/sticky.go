@@ -83,6 +83,9 @@ func ParseStickyList(body []byte) (*StickyList, error) {
 			l.Skipped++
 		}
 	}
+	if len(l.Sessions) == 0 && l.Skipped > 0 {
+		return l, fmt.Errorf("parsing sticky sessions: none of the %d elements is a session record", l.Skipped)
+	}
 	return l, nil
 }
 

@@ -1,0 +1,245 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestNumberIntDate(t *testing.T) {
+	for _, tc := range []struct {
+		in      string
+		num     float64
+		numOK   bool
+		integer int
+		intOK   bool
+	}{
+		{`8080`, 8080, true, 8080, true},
+		{`"8080"`, 8080, true, 8080, true},
+		{`" 12.34 "`, 12.34, true, 0, false},
+		{`12.34`, 12.34, true, 0, false},
+		{`"12.00"`, 12, true, 12, true},
+		{`-3`, -3, true, -3, true},
+		{`1e3`, 1000, true, 1000, true},
+		{`""`, 0, true, 0, true},
+		{`null`, 0, true, 0, true},
+		{`"abc"`, 0, false, 0, false},
+		{`"NaN"`, 0, false, 0, false},
+		{`"Inf"`, 0, false, 0, false},
+		{`"0x10"`, 0, false, 0, false},
+		{`"1_000"`, 0, false, 0, false},
+		{`true`, 0, false, 0, false},
+		{`[]`, 0, false, 0, false},
+		{`{}`, 0, false, 0, false},
+		{`"1e400"`, 0, false, 0, false},
+	} {
+		var n Number
+		err := json.Unmarshal([]byte(tc.in), &n)
+		if (err == nil) != tc.numOK || (err == nil && float64(n) != tc.num) {
+			t.Errorf("Number(%s) = %v, %v; want %v ok=%v", tc.in, n, err, tc.num, tc.numOK)
+		}
+		var i Int
+		err = json.Unmarshal([]byte(tc.in), &i)
+		if (err == nil) != tc.intOK || (err == nil && int(i) != tc.integer) {
+			t.Errorf("Int(%s) = %v, %v; want %v ok=%v", tc.in, i, err, tc.integer, tc.intOK)
+		}
+	}
+	for _, tc := range []struct {
+		in   string
+		want string // "" = zero; "err" = error
+	}{
+		{`"2026-11-21"`, "2026-11-21"},
+		{`"2026-11-21 13:45:00"`, "2026-11-21"},
+		{`"2026-11-21T23:45:00+02:00"`, "2026-11-21"},
+		{`""`, ""},
+		{`"0000-00-00"`, ""},
+		{`"0000-00-00 00:00:00"`, ""},
+		{`null`, ""},
+		{`"21.11.2026"`, "err"},
+		{`20261121`, "err"},
+	} {
+		var d Date
+		err := json.Unmarshal([]byte(tc.in), &d)
+		switch {
+		case tc.want == "err" && err == nil:
+			t.Errorf("Date(%s) = %v, want an error", tc.in, d)
+		case tc.want != "err" && (err != nil || d.String() != tc.want):
+			t.Errorf("Date(%s) = %q, %v; want %q", tc.in, d.String(), err, tc.want)
+		}
+	}
+	b, _ := json.Marshal(struct{ A, B Date }{B: Date{time.Date(2026, 1, 2, 0, 0, 0, 0, time.UTC)}})
+	if string(b) != `{"A":"","B":"2026-01-02"}` {
+		t.Errorf("Date marshal = %s", b)
+	}
+}
+
+// TestTypedEndpointsTolerant drives each typed GET method against bodies in
+// the provider's PHP-ish encodings.
+func TestTypedEndpointsTolerant(t *testing.T) {
+	ctx := context.Background()
+	call := func(body string) *Client {
+		srv, _ := serve(t, 200, body)
+		return newTestClient(t, srv.URL)
+	}
+
+	clients, err := call(`[{"id":"7","email":"alice@example.com","extra":1},{"id":8,"email":"bob@example.com"}]`).Clients(ctx)
+	if err != nil || !reflect.DeepEqual(clients, []ClientRecord{{7, "alice@example.com"}, {8, "bob@example.com"}}) {
+		t.Errorf("Clients = %+v, %v", clients, err)
+	}
+	for _, empty := range []string{`[]`, `null`, ``, `{}`} {
+		got, err := call(empty).Clients(ctx)
+		if err != nil || len(got) != 0 {
+			t.Errorf("Clients(%q) = %+v, %v", empty, got, err)
+		}
+	}
+	stats, err := call(`[{"date":"2026-11-20","rate":"12.5"},{"date":"2026-11-21","rate":3}]`).Stats(ctx, 102)
+	if err != nil || len(stats) != 2 || stats[0].Rate != 12.5 || stats[1].Date.String() != "2026-11-21" {
+		t.Errorf("Stats = %+v, %v", stats, err)
+	}
+	rate, err := call(`[{"limit":"1000","rate":"250.5"}]`).Rate(ctx, 102)
+	if err != nil || !reflect.DeepEqual(rate, []RateItem{{1000, 250.5}}) {
+		t.Errorf("Rate = %+v, %v", rate, err)
+	}
+	p, err := call(`{"productId":"11","productName":"Static US 10","price":"10.00","groupId":1,"groupName":"Static","created_at":"2026-01-02","product_hidden":0,"group_hidden":"1","product_type":"fpr","ip_count":"10","update_time":"2026-11-21 10:00:00","geo":[{"country":"US"}]}`).Product(ctx, 11)
+	if err != nil || p.ProductID != 11 || p.Price != 10 || p.ProductHidden || !p.GroupHidden || p.IPCount != 10 ||
+		p.UpdateTime != time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC) || string(p.Geo) != `[{"country":"US"}]` || p.CreatedAt.String() != "2026-01-02" {
+		t.Errorf("Product = %+v, %v", p, err)
+	}
+	products, err := call(`{"0":{"productId":12,"price":20.5},"1":{"productId":"13","price":"15"}}`).ProductsOrderBy(ctx, "price")
+	if err != nil || len(products) != 2 || products[1].ProductID != 13 || products[0].Price != 20.5 {
+		t.Errorf("ProductsOrderBy = %+v, %v", products, err)
+	}
+	ips, err := call(`["10.0.0.1", {"ip":"10.0.0.2"}]`).NetworkErrors(ctx, 101)
+	if err != nil || !reflect.DeepEqual(ips, []string{"10.0.0.1", "10.0.0.2"}) {
+		t.Errorf("NetworkErrors = %q, %v", ips, err)
+	}
+	ips, err = call(`null`).NetworkInactive(ctx, 101)
+	if err != nil || len(ips) != 0 {
+		t.Errorf("NetworkInactive(null) = %q, %v", ips, err)
+	}
+	credit, err := call(`{"credit":"100.00"}`).Credit(ctx)
+	if err != nil || credit != 100 {
+		t.Errorf("Credit = %v, %v", credit, err)
+	}
+	inv, err := call(`[{"id":"1","description":"x","status":"Paid","created_at":"2026-11-01","amount":"10.00","date_refunded":"0000-00-00","date_paid":"","paymentmethod":"credit","serviceid":"101"}]`).Invoices(ctx)
+	if err != nil || len(inv) != 1 || inv[0].Amount != 10 || inv[0].ServiceID != 101 || !inv[0].DateRefunded.IsZero() || !inv[0].DatePaid.IsZero() {
+		t.Errorf("Invoices = %+v, %v", inv, err)
+	}
+	inv, err = call(`{"id":3,"status":"Unpaid","amount":5}`).Invoice(ctx, 3)
+	if err != nil || len(inv) != 1 || inv[0].ID != 3 {
+		t.Errorf("Invoice(object) = %+v, %v", inv, err)
+	}
+	svc, err := call(`{"service_id":"101","orderid":"5","product_name":"Static US 10","regdate":"2026-01-01","nextduedate":"0000-00-00","status":"Active","billingcycle":"Monthly","username":"u","password":"p","bindedip":null,"product_type":"fpr","ip_count":"3","price":"10.00"}`).Service(ctx, 101)
+	want := Service{ServiceID: 101, OrderID: 5, ProductName: "Static US 10", RegDate: Date{time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)},
+		Status: "Active", BillingCycle: "Monthly", Username: "u", Password: "p", ProductType: "fpr", IPCount: 3, Price: 10}
+	if err != nil || !reflect.DeepEqual(*svc, want) {
+		t.Errorf("Service = %+v, %v", svc, err)
+	}
+	items, err := call(`[{"service_id":101,"product_name":"a","nextduedate":"","orderid":"5","status":"Active"}]`).Services(ctx)
+	if err != nil || len(items) != 1 || items[0].OrderID != 5 || !items[0].NextDueDate.IsZero() {
+		t.Errorf("Services = %+v, %v", items, err)
+	}
+}
+
+func TestOrderAndUpdateService(t *testing.T) {
+	ctx := context.Background()
+	srv, rec := serve(t, 200, `{"serviceId":"106","orderId":9,"invoiceId":"12","amount":"10.00","ip":"10.0.0.9"}`)
+	c := newTestClient(t, srv.URL)
+	res, err := c.Order(ctx, 11, OrderRequest{ClientID: 7, SetIP: "203.0.113.5"})
+	if err != nil || *res != (OrderResult{106, 9, 12, 10, "10.0.0.9"}) {
+		t.Errorf("Order = %+v, %v", res, err)
+	}
+	r, b := rec.last()
+	if r.Method != http.MethodPost || r.URL.Path != "/api/product/11" || string(b) != `{"clientid":7,"setip":"203.0.113.5"}` {
+		t.Errorf("order request %s %s %s", r.Method, r.URL.Path, b)
+	}
+
+	srv, rec = serve(t, 200, `{"setip":{"success":"IP address updated successfully"},"update_list":{"success":"IP list updated successfully"},"password":{"success":"Password updated successfully"}}`)
+	c = newTestClient(t, srv.URL)
+	up, err := c.UpdateService(ctx, 101, ServiceUpdate{SetIP: "203.0.113.5", UpdateList: true, Password: "new pw"})
+	if err != nil || up["setip"] != "IP address updated successfully" || up["update_list"] != "IP list updated successfully" || up["password"] != "Password updated successfully" {
+		t.Errorf("UpdateService = %v, %v", up, err)
+	}
+	r, b = rec.last()
+	var sent map[string]string
+	json.Unmarshal(b, &sent)
+	if r.Method != http.MethodPut || r.URL.Path != "/api/service/101" ||
+		!reflect.DeepEqual(sent, map[string]string{"setip": "203.0.113.5", "update_list": "true", "password": "bmV3IHB3"}) {
+		t.Errorf("update request %s %s %s", r.Method, r.URL.Path, b)
+	}
+	srv, _ = serve(t, 200, `[]`)
+	up, err = newTestClient(t, srv.URL).UpdateService(ctx, 101, ServiceUpdate{})
+	if err != nil || len(up) != 0 {
+		t.Errorf("empty update = %v, %v", up, err)
+	}
+}
+
+// TestUndecodableBodies: every typed method gives an error naming its route
+// for a body it cannot read, never a panic or a zero value.
+func TestUndecodableBodies(t *testing.T) {
+	ctx := context.Background()
+	for _, body := range []string{`<html>oops</html>`, `{"id":`, `"str"`, `[1,2]`, `{"credit":"abc","service_id":"x","productId":"y","serviceId":"z"}`, `{}`, `[]`, `{"unrelated":1}`} {
+		srv, _ := serve(t, 200, body)
+		c := newTestClient(t, srv.URL)
+		checks := []struct {
+			route string
+			call  func() (any, error)
+		}{
+			{RouteClients, func() (any, error) { return c.Clients(ctx) }},
+			{RouteStats, func() (any, error) { return c.Stats(ctx, 1) }},
+			{RouteRate, func() (any, error) { return c.Rate(ctx, 1) }},
+			{RouteProduct, func() (any, error) { return c.Product(ctx, 1) }},
+			{RouteProduct, func() (any, error) { return c.Order(ctx, 1, OrderRequest{ClientID: 1}) }},
+			{RouteProducts, func() (any, error) { return c.Products(ctx) }},
+			{RouteProductsOrderBy, func() (any, error) { return c.ProductsOrderBy(ctx, "price") }},
+			{RouteNetworkErrors, func() (any, error) { return c.NetworkErrors(ctx, 1) }},
+			{RouteNetworkInactive, func() (any, error) { return c.NetworkInactive(ctx, 1) }},
+			{RouteCredit, func() (any, error) { return c.Credit(ctx) }},
+			{RouteInvoices, func() (any, error) { return c.Invoices(ctx) }},
+			{RouteInvoice, func() (any, error) { return c.Invoice(ctx, 1) }},
+			{RouteService, func() (any, error) { return c.Service(ctx, 1) }},
+			{RouteServices, func() (any, error) { return c.Services(ctx) }},
+			{RouteService, func() (any, error) { return c.UpdateService(ctx, 1, ServiceUpdate{UpdateList: true}) }},
+			{RouteStickyList, func() (any, error) { return c.StickyList(ctx, 1) }},
+		}
+		for _, ch := range checks {
+			v, err := ch.call()
+			if err == nil {
+				if legitimate(ch.route, body, v) {
+					continue
+				}
+				t.Errorf("%s with body %s: no error, got %+v", ch.route, body, v)
+				continue
+			}
+			var de *DecodeError
+			if !errors.As(err, &de) || de.Route != ch.route || !strings.Contains(err.Error(), ch.route) {
+				t.Errorf("%s with body %s: err %v, want a DecodeError naming the route", ch.route, body, err)
+			}
+		}
+	}
+}
+
+// legitimate reports whether a success for these bodies is right: {} and []
+// are empty lists, and an update answers with whatever actions it names.
+func legitimate(route, body string, v any) bool {
+	if (body == `{}` || body == `[]`) && isEmptyList(v) {
+		return true
+	}
+	if (body == `{}` || body == `[]`) && route == RouteStickyList {
+		return len(v.(*StickyList).Sessions) == 0
+	}
+	if m, ok := v.(ServiceUpdateResult); ok {
+		return strings.HasPrefix(body, "{") && len(m) == strings.Count(body, ":") || body == `[]` && len(m) == 0
+	}
+	return false
+}
+
+func isEmptyList(v any) bool {
+	rv := reflect.ValueOf(v)
+	return rv.Kind() == reflect.Slice && rv.Len() == 0
+}
