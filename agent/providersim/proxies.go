@@ -20,7 +20,7 @@ import (
 // of a Sim can point at something that really relays. It is for `proxyd demo`
 // and tests, not for production traffic.
 type Proxy struct {
-	Protocol string // "http" or "socks5"
+	Protocol string // "http", "socks5" or "any" (both on one port, told apart by the first byte)
 	Name     string // shown in the X-Sim-Upstream response header of plain HTTP
 
 	user, pass string
@@ -36,8 +36,8 @@ type Proxy struct {
 // StartProxy listens on addr (e.g. "127.0.0.1:0") and serves protocol
 // "http" or "socks5" with the given credentials (empty user: no auth).
 func StartProxy(protocol, addr, name, user, pass string) (*Proxy, error) {
-	if protocol != "http" && protocol != "socks5" {
-		return nil, errors.New("providersim: proxy protocol must be http or socks5")
+	if protocol != "http" && protocol != "socks5" && protocol != "any" {
+		return nil, errors.New("providersim: proxy protocol must be http, socks5 or any")
 	}
 	p := &Proxy{Protocol: protocol, Name: name, user: user, pass: pass, conns: map[net.Conn]struct{}{}}
 	if err := p.listen(addr); err != nil {
@@ -124,10 +124,20 @@ func (p *Proxy) accept(ln net.Listener) {
 			defer p.wg.Done()
 			defer p.track(c, false)
 			defer c.Close()
-			if p.Protocol == "socks5" {
-				p.serveSOCKS(c)
+			br := bufio.NewReader(c)
+			socks := p.Protocol == "socks5"
+			if p.Protocol == "any" {
+				c.SetReadDeadline(time.Now().Add(10 * time.Second))
+				first, err := br.Peek(1)
+				if err != nil {
+					return
+				}
+				socks = first[0] == 5
+			}
+			if socks {
+				p.serveSOCKS(c, br)
 			} else {
-				p.serveHTTP(c)
+				p.serveHTTP(c, br)
 			}
 		}()
 	}
@@ -135,13 +145,16 @@ func (p *Proxy) accept(ln net.Listener) {
 
 var dialer = net.Dialer{Timeout: 5 * time.Second}
 
-func (p *Proxy) serveSOCKS(c net.Conn) {
+func (p *Proxy) serveSOCKS(c net.Conn, br *bufio.Reader) {
 	c.SetDeadline(time.Now().Add(10 * time.Second))
 	cfg := socks5.ServerConfig{RequireAuth: p.user != ""}
 	if p.user != "" {
 		cfg.Authenticate = func(u, pw string) bool { return u == p.user && pw == p.pass }
 	}
-	req, err := socks5.ReadRequest(c, cfg)
+	req, err := socks5.ReadRequest(struct {
+		io.Reader
+		io.Writer
+	}{br, c}, cfg)
 	if err != nil {
 		var re *socks5.RequestError
 		if errors.As(err, &re) {
@@ -159,6 +172,10 @@ func (p *Proxy) serveSOCKS(c net.Conn) {
 		return
 	}
 	c.SetDeadline(time.Time{})
+	if n := br.Buffered(); n > 0 {
+		b, _ := br.Peek(n)
+		up.Write(b)
+	}
 	pipe(c, up)
 }
 
@@ -171,8 +188,7 @@ func (p *Proxy) authorized(h http.Header) bool {
 	return err == nil && strings.HasPrefix(v, "Basic ") && string(b) == p.user+":"+p.pass
 }
 
-func (p *Proxy) serveHTTP(c net.Conn) {
-	br := bufio.NewReader(c)
+func (p *Proxy) serveHTTP(c net.Conn, br *bufio.Reader) {
 	for {
 		c.SetReadDeadline(time.Now().Add(60 * time.Second))
 		req, err := http.ReadRequest(br)

@@ -56,6 +56,23 @@ func TestProxiesRelay(t *testing.T) {
 	socksClient.CloseIdleConnections()
 	good.CloseIdleConnections()
 
+	// "any" serves both protocols on one port.
+	ap, err := StartProxy("any", "127.0.0.1:0", "a1", "u", "p")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ap.Close()
+	ad, _ := proxy.SOCKS5("tcp", ap.Addr(), &proxy.Auth{User: "u", Password: "p"}, proxy.Direct)
+	for _, c := range []*http.Client{
+		{Transport: &http.Transport{Dial: ad.Dial}},
+		{Transport: &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: ap.Addr(), User: url.UserPassword("u", "p")})}},
+	} {
+		if body, _, code := get(c); body != "hello /x" || code != 200 {
+			t.Fatalf("any proxy: %q %d", body, code)
+		}
+		c.CloseIdleConnections()
+	}
+
 	hp.Down()
 	if _, _, code := get(&http.Client{Transport: &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: hp.Addr(), User: url.UserPassword("u", "p")})}}); code != 0 {
 		t.Fatalf("a proxy that is down answered %d", code)

@@ -1,0 +1,308 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/proxyd/proxyd/agent/providersim"
+)
+
+// demoWorld is everything `proxyd demo` runs besides the daemon: the
+// simulated provider, its proxy servers and a small origin.
+type demoWorld struct {
+	sim      *providersim.Sim
+	simURL   string
+	origin   string // host:port
+	fprHTTP  []*providersim.Proxy
+	fprSOCKS []*providersim.Proxy
+	sessions []*providersim.Proxy
+	servers  []*http.Server
+	wg       sync.WaitGroup
+}
+
+// Demo services: 101 (fpr) and 102 (ppr with two sticky sessions).
+const (
+	demoFPR = 101
+	demoPPR = 102
+)
+
+// startDemoWorld brings up the provider side on loopback. Every upstream
+// proxy has an address of its own in 127.0.0.0/8, so that the provider's
+// network status, which names IPs, can single one out.
+func startDemoWorld() (*demoWorld, error) {
+	w := &demoWorld{sim: providersim.New(providersim.Config{})}
+	ok := false
+	defer func() {
+		if !ok {
+			w.close()
+		}
+	}()
+	serve := func(h http.Handler) (string, error) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return "", err
+		}
+		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		w.servers = append(w.servers, srv)
+		w.wg.Add(1)
+		go func() { defer w.wg.Done(); srv.Serve(ln) }()
+		return ln.Addr().String(), nil
+	}
+	addr, err := serve(w.sim)
+	if err != nil {
+		return nil, fmt.Errorf("starting the simulated provider: %w", err)
+	}
+	w.simURL = "http://" + addr
+	w.origin, err = serve(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(rw, "hello from the demo origin: %s %s%s\n", r.Method, r.Host, r.URL.Path)
+	}))
+	if err != nil {
+		return nil, fmt.Errorf("starting the demo origin: %w", err)
+	}
+
+	user, pass := fmt.Sprintf("u%d", demoFPR), fmt.Sprintf("pw-%d-sim", demoFPR)
+	var httpEntries, socksEntries []providersim.Entry
+	for i := 1; i <= 3; i++ {
+		hp, err := providersim.StartProxy("http", fmt.Sprintf("127.0.1.%d:0", i), fmt.Sprintf("fpr-http-%d", i), user, pass)
+		if err != nil {
+			return nil, fmt.Errorf("starting a demo upstream: %w", err)
+		}
+		w.fprHTTP = append(w.fprHTTP, hp)
+		httpEntries = append(httpEntries, entryOf(hp.Addr(), user, pass))
+		sp, err := providersim.StartProxy("socks5", fmt.Sprintf("127.0.2.%d:0", i), fmt.Sprintf("fpr-socks-%d", i), user, pass)
+		if err != nil {
+			return nil, fmt.Errorf("starting a demo upstream: %w", err)
+		}
+		w.fprSOCKS = append(w.fprSOCKS, sp)
+		socksEntries = append(socksEntries, entryOf(sp.Addr(), "", ""))
+	}
+	w.sim.SetEntries(demoFPR, "http-auth", httpEntries)
+	w.sim.SetEntries(demoFPR, "socks-ip", socksEntries)
+
+	// The ppr gateway: one port per sticky session, speaking HTTP and SOCKS5.
+	puser, ppass := fmt.Sprintf("u%d", demoPPR), fmt.Sprintf("pw-%d-sim", demoPPR)
+	var sessions []providersim.Session
+	var gw []providersim.Entry
+	for i := 1; i <= 2; i++ {
+		p, err := providersim.StartProxy("any", "127.0.3.1:0", fmt.Sprintf("ppr-session-s%d", i), puser, ppass)
+		if err != nil {
+			return nil, fmt.Errorf("starting a demo gateway: %w", err)
+		}
+		w.sessions = append(w.sessions, p)
+		e := entryOf(p.Addr(), puser, ppass)
+		gw = append(gw, e)
+		sessions = append(sessions, providersim.Session{Server: e.Host, Session: fmt.Sprintf("s%d", i), Port: e.Port,
+			ExitIP: fmt.Sprintf("198.51.100.%d", i), TTL: 5})
+	}
+	w.sim.SetEntries(demoPPR, "ppr-http", gw)
+	w.sim.SetEntries(demoPPR, "ppr-socks", gw)
+	w.sim.SetStickySessions(demoPPR, sessions)
+	w.sim.SetUsage(demoPPR, 120, 1024)
+	ok = true
+	return w, nil
+}
+
+func entryOf(addr, user, pass string) providersim.Entry {
+	host, port, _ := net.SplitHostPort(addr)
+	var p int
+	fmt.Sscan(port, &p)
+	return providersim.Entry{Host: host, Port: p, Login: user, Password: pass}
+}
+
+func (w *demoWorld) close() {
+	for _, s := range w.servers {
+		s.Close()
+	}
+	for _, ps := range [][]*providersim.Proxy{w.fprHTTP, w.fprSOCKS, w.sessions} {
+		for _, p := range ps {
+			p.Close()
+		}
+	}
+	w.wg.Wait()
+}
+
+// faults injects one fault after another, each healing before the next, so
+// that `proxyd pool` and the metrics show the pool at work.
+func (w *demoWorld) faults(ctx context.Context, every time.Duration, log *slog.Logger) {
+	step := 0
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		switch step % 4 {
+		case 0:
+			ip := w.fprHTTP[0].Addr()
+			host, _, _ := net.SplitHostPort(ip)
+			w.sim.MarkErrored(demoFPR, host)
+			log.Info("demo fault: the provider lists an upstream as errored", "ip", host)
+		case 1:
+			w.sim.ClearStatus(demoFPR)
+			w.fprHTTP[1].Down()
+			w.fprSOCKS[1].Down()
+			log.Info("demo fault: two upstream proxies went down", "http", w.fprHTTP[1].Addr(), "socks", w.fprSOCKS[1].Addr())
+		case 2:
+			w.fprHTTP[1].Up()
+			w.fprSOCKS[1].Up()
+			w.sessions[0].Down()
+			log.Info("demo fault: the upstream proxies are back; sticky session s1 fails (proxyd rotates it)")
+		case 3:
+			w.sessions[0].Up()
+			log.Info("demo: every fault healed")
+		}
+		step++
+	}
+}
+
+// demoConfig is the daemon's config for the demo world.
+func demoConfig(w *demoWorld, httpAddr, socksAddr, adminAddr, stateDir string) config {
+	cfg := defaultConfig()
+	cfg.API.BaseURL = w.simURL
+	cfg.API.Services = []int{demoFPR, demoPPR}
+	cfg.Poll.IPList = duration(15 * time.Second)
+	cfg.Poll.NetworkStatus = duration(2 * time.Second)
+	cfg.Poll.Usage = duration(5 * time.Second)
+	cfg.Poll.Account = duration(30 * time.Second)
+	cfg.Poll.MaxBackoff = duration(30 * time.Second)
+	cfg.Pool.EjectBase = duration(10 * time.Second)
+	cfg.Pool.EjectMax = duration(time.Minute)
+	cfg.Pool.RotateInterval = duration(10 * time.Second)
+	cfg.State.Dir = stateDir
+	cfg.Admin.Address = adminAddr
+	cfg.Listener = defaultListeners()
+	cfg.Listener[0].Address = httpAddr
+	cfg.Listener[1].Address = socksAddr
+	for i := range cfg.Listener {
+		cfg.Listener[i].Upstream = cfg.Listener[i].Protocol
+		// The demo origin lives on loopback, which listeners refuse by default.
+		cfg.Listener[i].AllowDestinations = []string{"127.0.0.0/8"}
+	}
+	return cfg
+}
+
+// cmdDemo is `proxyd demo`: the whole system on this machine.
+func cmdDemo(ctx context.Context, args []string, io stdio) int {
+	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs.SetOutput(io.err)
+	httpAddr := fs.String("http", "127.0.0.1:8080", "HTTP proxy listener")
+	socksAddr := fs.String("socks", "127.0.0.1:1080", "SOCKS5 listener")
+	adminAddr := fs.String("admin", "127.0.0.1:9900", "admin server")
+	faultEvery := fs.Duration("faults", 20*time.Second, "time between injected faults (0: none)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	for _, p := range []struct{ flag, addr string }{{"-http", *httpAddr}, {"-socks", *socksAddr}, {"-admin", *adminAddr}} {
+		ln, err := net.Listen("tcp", p.addr)
+		if err != nil {
+			fmt.Fprintf(io.err, "proxyd demo: cannot listen on %s (%s): %v\n", p.addr, p.flag, shortErr(err))
+			fmt.Fprintf(io.err, "choose another address, e.g.: %s demo %s 127.0.0.1:%d\n", selfCommand(), p.flag, 20000+portOf(p.addr))
+			return 1
+		}
+		ln.Close()
+	}
+	w, err := startDemoWorld()
+	if err != nil {
+		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)
+		return 1
+	}
+	defer w.close()
+	stateDir, err := os.MkdirTemp("", "proxyd-demo-")
+	if err != nil {
+		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)
+		return 1
+	}
+	defer os.RemoveAll(stateDir)
+
+	logger := newLogger(logConfig{Level: "info", Format: "text"}, io.err)
+	cfg := demoConfig(w, *httpAddr, *socksAddr, *adminAddr, filepath.Join(stateDir, "state"))
+	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
+	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: logger})
+	if err != nil {
+		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)
+		return 1
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- d.Run(runCtx) }()
+	select {
+	case <-d.ready:
+	case err := <-done:
+		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)
+		return 1
+	}
+	var fwg sync.WaitGroup
+	if *faultEvery > 0 {
+		fwg.Add(1)
+		go func() { defer fwg.Done(); w.faults(runCtx, *faultEvery, logger) }()
+	}
+	self := selfCommand()
+	origin := "http://" + w.origin + "/"
+	fmt.Fprintf(io.out, `
+proxyd demo is running: a simulated provider (%s) with an fpr service (%d: 3 HTTP and
+3 SOCKS5 upstream proxies) and a ppr service (%d: 2 sticky sessions), a demo origin, and
+the daemon on %s (HTTP), %s (SOCKS5) and %s (admin).
+Every %s a fault is injected and healed; watch the pool heal. Ctrl-C stops everything.
+
+Try, in another terminal:
+  curl -x http://%s %s
+  curl --socks5-hostname %s %s
+  curl -x http://session-demo1:x@%s %s       # sticky: the same upstream every time
+  %s pool -admin %s
+  curl -s http://%s/metrics | grep '^proxyd_connections_total'
+  curl -s http://%s/readyz
+  PROXYD_API_TOKEN=%s %s api -base-url %s services
+  PROXYD_API_TOKEN=%s %s api -base-url %s sticky list %d
+`, w.simURL, demoFPR, demoPPR, *httpAddr, *socksAddr, *adminAddr, *faultEvery,
+		*httpAddr, origin, *socksAddr, origin, *httpAddr, origin,
+		self, *adminAddr, *adminAddr, *adminAddr,
+		providersim.DefaultToken, self, w.simURL, providersim.DefaultToken, self, w.simURL, demoPPR)
+
+	err = <-done
+	stop()
+	fwg.Wait()
+	if err != nil {
+		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)
+		return 1
+	}
+	fmt.Fprintln(io.out, "proxyd demo stopped")
+	return 0
+}
+
+// selfCommand is how the user runs this binary again: the path it was
+// started as, or `go run ./cmd/proxyd` under go run.
+func selfCommand() string {
+	exe := os.Args[0]
+	if strings.Contains(exe, "go-build") || strings.HasSuffix(filepath.Dir(exe), "/exe") {
+		return "go run ./cmd/proxyd"
+	}
+	return exe
+}
+
+func portOf(addr string) int {
+	_, p, _ := net.SplitHostPort(addr)
+	var n int
+	fmt.Sscan(p, &n)
+	return n
+}
+
+func shortErr(err error) string {
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return "the address is in use"
+	}
+	return err.Error()
+}
