@@ -1,0 +1,213 @@
+package forward
+
+import (
+	"bufio"
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/proxyd/proxyd/forward/socks5"
+	"github.com/proxyd/proxyd/pool"
+)
+
+// dialError is why one attempt through an upstream failed: its class for the
+// pool and, for destination failures, what to tell the client.
+type dialError struct {
+	result pool.Result
+	// status is the upstream's HTTP answer to CONNECT (502, 504, 407, ...) or 0.
+	status int
+	// reply is the SOCKS reply code to pass to a SOCKS client.
+	reply byte
+	err   error
+}
+
+func (e *dialError) Error() string { return e.result.String() + ": " + e.err.Error() }
+func (e *dialError) Unwrap() error { return e.err }
+
+// dialer dials upstreams. It is shared by the CONNECT, upgrade and SOCKS
+// paths and by the plain-HTTP transports.
+type dialer struct {
+	dialTimeout      time.Duration
+	handshakeTimeout time.Duration
+	net              net.Dialer
+}
+
+func newDialer(cfg Config) *dialer {
+	d := &dialer{dialTimeout: cfg.DialTimeout, handshakeTimeout: cfg.HandshakeTimeout}
+	d.net.Timeout = cfg.DialTimeout
+	d.net.KeepAlive = 30 * time.Second
+	if cfg.SourceAddr.IsValid() {
+		d.net.LocalAddr = &net.TCPAddr{IP: cfg.SourceAddr.AsSlice(), Zone: cfg.SourceAddr.Zone()}
+	}
+	return d
+}
+
+// dialTCP connects to the upstream's address and classifies failures.
+func (d *dialer) dialTCP(ctx context.Context, u *pool.Upstream) (net.Conn, *dialError) {
+	c, err := d.net.DialContext(ctx, "tcp", u.Address)
+	if err != nil {
+		return nil, classifyDial(ctx, err)
+	}
+	return c, nil
+}
+
+func classifyDial(ctx context.Context, err error) *dialError {
+	r := pool.DialRefused
+	switch {
+	case ctx.Err() != nil && !errors.Is(context.Cause(ctx), errAttemptTimeout):
+		r = pool.Canceled
+	case isTimeout(err):
+		r = pool.DialTimeout
+	}
+	return &dialError{result: r, err: fmt.Errorf("dialing upstream: %w", err)}
+}
+
+// errAttemptTimeout ends an attempt whose retry budget ran out; it is the
+// upstream's fault (a timeout), unlike a client that left.
+var errAttemptTimeout = errors.New("retry budget exhausted")
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded) ||
+		(errors.As(err, &ne) && ne.Timeout())
+}
+
+// tunnel opens a connection to dest through u: TCP to the upstream, then
+// CONNECT or the SOCKS5 handshake. On success the returned conn carries the
+// destination's bytes (including any the upstream sent right behind its
+// answer).
+func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr) (net.Conn, *dialError) {
+	c, derr := d.dialTCP(ctx, u)
+	if derr != nil {
+		return nil, derr
+	}
+	deadline := time.Now().Add(d.handshakeTimeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
+		deadline = dl
+	}
+	_ = c.SetDeadline(deadline)
+	// Abort the handshake when the client leaves or the listener stops.
+	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })
+	var out net.Conn
+	switch u.Protocol {
+	case pool.SOCKS5:
+		out, derr = socksHandshake(c, u, dest)
+	default:
+		out, derr = connectHandshake(c, u, dest)
+	}
+	if !stop() || derr != nil {
+		_ = c.Close()
+		if derr == nil || ctx.Err() != nil && !errors.Is(context.Cause(ctx), errAttemptTimeout) {
+			return nil, &dialError{result: pool.Canceled, err: context.Cause(ctx)}
+		}
+		return nil, derr
+	}
+	_ = c.SetDeadline(time.Time{})
+	return out, nil
+}
+
+func socksHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *dialError) {
+	_, err := socks5.ClientHandshake(c, dest, u.Username, u.Password)
+	if err == nil {
+		return c, nil
+	}
+	var re *socks5.ReplyError
+	switch {
+	case errors.As(err, &re):
+		if re.DestinationFault() {
+			return nil, &dialError{result: pool.DestinationError, reply: re.Code, err: err}
+		}
+		return nil, &dialError{result: pool.ProxyError, reply: socks5.ReplyGeneralFailure, err: err}
+	case errors.Is(err, socks5.ErrAuthRejected):
+		return nil, &dialError{result: pool.AuthRejected, err: err}
+	case errors.Is(err, socks5.ErrBadAddress):
+		return nil, &dialError{result: pool.DestinationError, reply: socks5.ReplyAddressNotSupported, err: err}
+	case errors.Is(err, socks5.ErrBadCredentials):
+		return nil, &dialError{result: pool.AuthRejected, err: err}
+	}
+	// Malformed, closed early, timed out, reset: no usable answer in time.
+	return nil, &dialError{result: pool.HandshakeTimeout, err: fmt.Errorf("socks5 handshake: %w", err)}
+}
+
+// basicAuth is the Proxy-Authorization value for an upstream, or "".
+func basicAuth(u *pool.Upstream) string {
+	if u.Username == "" && u.Password == "" {
+		return ""
+	}
+	return "Basic " + base64.StdEncoding.EncodeToString([]byte(u.Username+":"+u.Password))
+}
+
+func connectHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *dialError) {
+	target := dest.String()
+	var b strings.Builder
+	b.Grow(128)
+	b.WriteString("CONNECT ")
+	b.WriteString(target)
+	b.WriteString(" HTTP/1.1\r\nHost: ")
+	b.WriteString(target)
+	b.WriteString("\r\n")
+	if a := basicAuth(u); a != "" {
+		b.WriteString("Proxy-Authorization: ")
+		b.WriteString(a)
+		b.WriteString("\r\n")
+	}
+	b.WriteString("\r\n")
+	if _, err := io.WriteString(c, b.String()); err != nil {
+		return nil, &dialError{result: pool.HandshakeTimeout, err: fmt.Errorf("writing CONNECT: %w", err)}
+	}
+	br := bufio.NewReaderSize(c, 1024)
+	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
+	if err != nil {
+		return nil, &dialError{result: pool.HandshakeTimeout, err: fmt.Errorf("reading CONNECT answer: %w", err)}
+	}
+	switch s := resp.StatusCode; {
+	case s >= 200 && s < 300:
+		if n := br.Buffered(); n > 0 {
+			head, _ := br.Peek(n)
+			return &prefixConn{Conn: c, prefix: append([]byte(nil), head...)}, nil
+		}
+		return c, nil
+	case s == http.StatusProxyAuthRequired:
+		return nil, &dialError{result: pool.AuthRejected, status: s, err: errors.New("upstream answered 407")}
+	case s == http.StatusBadGateway || s == http.StatusGatewayTimeout:
+		reply := byte(socks5.ReplyHostUnreachable)
+		if s == http.StatusGatewayTimeout {
+			reply = socks5.ReplyTTLExpired
+		}
+		return nil, &dialError{result: pool.DestinationError, status: s, reply: reply,
+			err: fmt.Errorf("upstream answered %d", s)}
+	default:
+		return nil, &dialError{result: pool.ProxyError, status: s, reply: socks5.ReplyGeneralFailure,
+			err: fmt.Errorf("upstream answered %d", s)}
+	}
+}
+
+// prefixConn is a connection whose first reads return bytes an upstream sent
+// right behind its handshake answer.
+type prefixConn struct {
+	net.Conn
+	prefix []byte
+}
+
+func (c *prefixConn) Read(p []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(p, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.Conn.Read(p)
+}
+
+// isConnReset reports errors a peer's abrupt close produces.
+func isConnReset(err error) bool {
+	return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) ||
+		errors.Is(err, syscall.ECONNREFUSED)
+}

@@ -1,0 +1,417 @@
+package forward
+
+import (
+	"bytes"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/net/proxy"
+	"golang.org/x/net/websocket"
+
+	"github.com/proxyd/proxyd/pool"
+)
+
+// echoHeaders answers with the request's method, URI, headers and a digest
+// of its body as JSON.
+type echoed struct {
+	Method           string
+	URI              string
+	Host             string
+	Header           http.Header
+	BodyLen          int64
+	BodySHA          string
+	TransferEncoding []string
+}
+
+func echoHandler(w http.ResponseWriter, r *http.Request) {
+	h := sha256.New()
+	n, _ := io.Copy(h, r.Body)
+	e := echoed{Method: r.Method, URI: r.RequestURI, Host: r.Host, Header: r.Header, BodyLen: n,
+		BodySHA: hex.EncodeToString(h.Sum(nil)), TransferEncoding: r.TransferEncoding}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(e)
+}
+
+func getEcho(t *testing.T, c *http.Client, req *http.Request) echoed {
+	t.Helper()
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", req.Method, req.URL, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		b, _ := io.ReadAll(resp.Body)
+		t.Fatalf("%s %s: status %d %q", req.Method, req.URL, resp.StatusCode, b)
+	}
+	var e echoed
+	if err := json.NewDecoder(resp.Body).Decode(&e); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// upstreamKinds runs f against an HTTP and a SOCKS5 upstream.
+func upstreamKinds(t *testing.T, n names, f func(t *testing.T, up *pool.Upstream, targets func() []string)) {
+	t.Run("http-upstream", func(t *testing.T) {
+		checkLeaks(t)
+		u := newHTTPUpstream(t, "upuser", "up:pass", n)
+		f(t, u.upstream(1), u.Targets)
+	})
+	t.Run("socks5-upstream", func(t *testing.T) {
+		checkLeaks(t)
+		u := newSOCKSUpstream(t, "upuser", "up:pass", n)
+		f(t, u.upstream(2), u.Targets)
+	})
+}
+
+func TestHTTPPlainRequests(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, targets func() []string) {
+		origin, originConns := startOrigin(t, http.HandlerFunc(echoHandler))
+		p := newFakePool(up)
+		tl := startListener(t, Config{Name: "web", Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+		c := tl.httpClient(t, "session-abc", "x")
+
+		for _, m := range []string{"GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"} {
+			var body io.Reader
+			if m == "POST" || m == "PUT" {
+				body = strings.NewReader("payload-" + m)
+			}
+			req, _ := http.NewRequest(m, "http://"+origin+"/path?q="+m, body)
+			e := getEcho(t, c, req)
+			if e.Method != m || e.URI != "/path?q="+m {
+				t.Errorf("%s: origin saw %s %s", m, e.Method, e.URI)
+			}
+			if body != nil && e.BodyLen != int64(len("payload-"+m)) {
+				t.Errorf("%s: body length %d", m, e.BodyLen)
+			}
+		}
+		// keep-alive on both hops: one client connection, one origin connection.
+		tl.obs.mu.Lock()
+		opened := tl.obs.opened
+		tl.obs.mu.Unlock()
+		if opened != 1 {
+			t.Errorf("client connections to proxyd: %d, want 1", opened)
+		}
+		if n := originConns.Load(); n != 1 {
+			t.Errorf("origin connections: %d, want 1 (upstream connection reused)", n)
+		}
+		if up.Protocol == pool.HTTP {
+			for _, tg := range targets() {
+				if !strings.HasPrefix(tg, "http://"+origin+"/") {
+					t.Errorf("upstream got %q, want absolute URI", tg)
+				}
+			}
+		}
+		for _, r := range p.Picks() {
+			if r.Listener != "web" || r.Key != "session-abc\x00abc" && r.Key != "\x00abc" {
+				t.Errorf("pick request %+v", r)
+			}
+		}
+		c.Transport.(*http.Transport).CloseIdleConnections()
+		waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "client connection closed")
+		p.waitBalanced(t)
+	})
+}
+
+func TestHTTPChunkedUpload(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
+		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+		p := newFakePool(up)
+		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+		c := tl.httpClient(t, "", "")
+		data := make([]byte, 3<<20+17)
+		_, _ = rand.Read(data)
+		pr, pw := io.Pipe()
+		go func() {
+			for b := data; len(b) > 0; {
+				n := min(len(b), 100_000)
+				_, _ = pw.Write(b[:n])
+				b = b[n:]
+			}
+			_ = pw.Close()
+		}()
+		req, _ := http.NewRequest("POST", "http://"+origin+"/upload", pr)
+		e := getEcho(t, c, req)
+		sum := sha256.Sum256(data)
+		if e.BodyLen != int64(len(data)) || e.BodySHA != hex.EncodeToString(sum[:]) {
+			t.Errorf("origin got %d bytes sha %s", e.BodyLen, e.BodySHA)
+		}
+		if len(e.TransferEncoding) != 1 || e.TransferEncoding[0] != "chunked" {
+			t.Errorf("origin saw transfer encoding %v", e.TransferEncoding)
+		}
+		p.waitBalanced(t)
+	})
+}
+
+// bigTransfer sends n random bytes through c to an echo server and checks
+// that the same bytes come back, both directions at once.
+func bigTransfer(t *testing.T, c net.Conn, r io.Reader, n int) {
+	t.Helper()
+	data := make([]byte, n)
+	_, _ = rand.Read(data)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		_, _ = c.Write(data)
+		if cw, ok := c.(closeWriter); ok {
+			_ = cw.CloseWrite()
+		}
+	}()
+	got, err := io.ReadAll(r)
+	wg.Wait()
+	if err != nil {
+		t.Fatalf("reading echo: %v (after %d bytes)", err, len(got))
+	}
+	if !bytes.Equal(got, data) {
+		t.Fatalf("echo differs: got %d bytes, want %d", len(got), len(data))
+	}
+}
+
+func TestConnect16MiB(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
+		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+		p := newFakePool(up)
+		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+		c, br, resp := rawConnect(t, tl.addr, echo, "")
+		if resp.StatusCode != 200 {
+			t.Fatalf("CONNECT: %d", resp.StatusCode)
+		}
+		bigTransfer(t, c, br, 16<<20)
+		_ = c.Close()
+		waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "tunnel closed")
+		p.waitBalanced(t)
+		cl := tl.obs.Closeds()
+		if len(cl) != 1 || cl[0].o != OutcomeOK || cl[0].up < 16<<20 || cl[0].down < 16<<20 {
+			t.Errorf("observer: %+v", cl)
+		}
+	})
+}
+
+// TestConnectEarlyBytes shows why the CONNECT relay keeps the bytes the
+// server's buffered reader already holds: a client that sends its first
+// bytes in the same write as the CONNECT request (TLS false start, or any
+// client not waiting for the 200) would otherwise lose them.
+func TestConnectEarlyBytes(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
+		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+		c, err := net.Dial("tcp", tl.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		early := "early bytes right behind the request"
+		fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n%s", echo, echo, early)
+		want := "HTTP/1.1 200 Connection established\r\n\r\n" + early
+		got := make([]byte, len(want))
+		if _, err := io.ReadFull(c, got); err != nil {
+			t.Fatalf("reading: %v (got %q)", err, got)
+		}
+		if string(got) != want {
+			t.Fatalf("got %q, want %q", got, want)
+		}
+	})
+}
+
+func TestSOCKS5Client(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
+		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+		p := newFakePool(up)
+		tl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, p)
+		d, err := proxy.SOCKS5("tcp", tl.addr, &proxy.Auth{User: "session-k1", Password: "x"}, proxy.Direct)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := d.Dial("tcp", echo)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bigTransfer(t, c, c, 16<<20)
+		_ = c.Close()
+
+		// HTTP through the SOCKS5 listener.
+		tr := &http.Transport{Dial: d.Dial}
+		defer tr.CloseIdleConnections()
+		hc := &http.Client{Transport: tr}
+		req, _ := http.NewRequest("GET", "http://"+origin+"/x", nil)
+		if e := getEcho(t, hc, req); e.URI != "/x" {
+			t.Errorf("origin saw %q", e.URI)
+		}
+		tr.CloseIdleConnections()
+		waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "connections closed")
+		p.waitBalanced(t)
+		for _, r := range p.Picks() {
+			if r.Key != "\x00k1" {
+				t.Errorf("sticky key %q, want \\x00k1", r.Key)
+			}
+		}
+	})
+}
+
+// TestUpstreamResolvesNames: a host name goes to the upstream unresolved.
+func TestUpstreamResolvesNames(t *testing.T) {
+	echoAddr := ""
+	n := names{"only-upstream.test": "127.0.0.1"}
+	upstreamKinds(t, n, func(t *testing.T, up *pool.Upstream, targets func() []string) {
+		echoAddr = startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+		_, port, _ := net.SplitHostPort(echoAddr)
+		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+		_, oport, _ := net.SplitHostPort(origin)
+		dest := "only-upstream.test:" + port
+		for _, proto := range []string{"http", "socks5"} {
+			tl := startListener(t, Config{Protocol: proto}, newFakePool(up))
+			var c net.Conn
+			if proto == "http" {
+				var resp *http.Response
+				var br io.Reader
+				c, br, resp = rawConnect(t, tl.addr, dest, "")
+				if resp.StatusCode != 200 {
+					t.Fatalf("CONNECT: %d", resp.StatusCode)
+				}
+				bigTransfer(t, c, br, 1000)
+			} else {
+				d, _ := proxy.SOCKS5("tcp", tl.addr, nil, proxy.Direct)
+				var err error
+				if c, err = d.Dial("tcp", dest); err != nil {
+					t.Fatal(err)
+				}
+				bigTransfer(t, c, c, 1000)
+			}
+			_ = c.Close()
+		}
+		// plain HTTP too
+		tl := startListener(t, Config{}, newFakePool(up))
+		req, _ := http.NewRequest("GET", "http://only-upstream.test:"+oport+"/n", nil)
+		if e := getEcho(t, tl.httpClient(t, "", ""), req); e.Host != "only-upstream.test:"+oport {
+			t.Errorf("origin saw Host %q", e.Host)
+		}
+		found := 0
+		for _, tg := range targets() {
+			if strings.Contains(tg, "only-upstream.test") {
+				found++
+			}
+		}
+		if found < 2 {
+			t.Errorf("upstream targets %q: want the name unresolved", targets())
+		}
+	})
+}
+
+func TestIPv6LiteralDestination(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, targets func() []string) {
+		echo := startTCP(t, "tcp6", "[::1]:0", echoServe)
+		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+		c, br, resp := rawConnect(t, tl.addr, echo, "")
+		if resp.StatusCode != 200 {
+			t.Fatalf("CONNECT %s: %d", echo, resp.StatusCode)
+		}
+		bigTransfer(t, c, br, 5000)
+		stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, newFakePool(up))
+		d, _ := proxy.SOCKS5("tcp", stl.addr, nil, proxy.Direct)
+		sc, err := d.Dial("tcp", echo)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bigTransfer(t, sc, sc, 5000)
+		_ = sc.Close()
+		if tg := targets(); len(tg) < 2 || !containsFold(tg, echo) {
+			t.Errorf("upstream targets %q, want %q", tg, echo)
+		}
+	})
+}
+
+func wsEchoServer(t *testing.T, closeAfter string) string {
+	h := websocket.Handler(func(ws *websocket.Conn) {
+		for {
+			var msg string
+			if err := websocket.Message.Receive(ws, &msg); err != nil {
+				return
+			}
+			if err := websocket.Message.Send(ws, "echo:"+msg); err != nil {
+				return
+			}
+			if msg == closeAfter {
+				_ = ws.Close()
+				return
+			}
+		}
+	})
+	addr, _ := startOrigin(t, h)
+	return addr
+}
+
+// dialWS opens a WebSocket through the HTTP proxy (absolute-URI upgrade).
+func dialWS(t *testing.T, proxyAddr, origin string) *websocket.Conn {
+	t.Helper()
+	cfg, err := websocket.NewConfig("ws://"+origin+"/ws", "http://"+origin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Absolute-URI form, as a client speaking to a proxy must send.
+	cfg.Location = &url.URL{Scheme: "ws", Host: origin, Opaque: "//" + origin + "/ws"}
+	c, err := net.Dial("tcp", proxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	ws, err := websocket.NewClient(cfg, c)
+	if err != nil {
+		_ = c.Close()
+		t.Fatalf("websocket handshake through proxy: %v", err)
+	}
+	return ws
+}
+
+func TestWebSocketUpgrade(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
+		origin := wsEchoServer(t, "bye")
+		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+		exchange := func(ws *websocket.Conn, msg string) {
+			t.Helper()
+			if err := websocket.Message.Send(ws, msg); err != nil {
+				t.Fatal(err)
+			}
+			var got string
+			if err := websocket.Message.Receive(ws, &got); err != nil || got != "echo:"+msg {
+				t.Fatalf("receive: %q %v", got, err)
+			}
+		}
+		t.Run("client-closes", func(t *testing.T) {
+			ws := dialWS(t, tl.addr, origin)
+			exchange(ws, "hello")
+			exchange(ws, strings.Repeat("x", 100_000))
+			_ = ws.Close()
+			waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "proxy closed both sides")
+		})
+		t.Run("origin-closes", func(t *testing.T) {
+			ws := dialWS(t, tl.addr, origin)
+			defer ws.Close()
+			exchange(ws, "bye")
+			// The origin closed: the client must see the end, not hang.
+			var msg string
+			err := websocket.Message.Receive(ws, &msg)
+			if err == nil {
+				t.Fatalf("expected end of stream, got %q", msg)
+			}
+			if strings.Contains(err.Error(), "timeout") {
+				t.Fatalf("client hung after origin closed: %v", err)
+			}
+			_ = ws.Close() // as any client does on end of stream
+			waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "proxy closed both sides")
+		})
+	})
+}

@@ -1,0 +1,407 @@
+package forward
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/elazarl/goproxy"
+	"github.com/proxyd/proxyd/forward/socks5"
+)
+
+type ctxKey int
+
+const (
+	connKey ctxKey = iota // *clientConn of the request
+	keyKey                // sticky key (string) of the request
+)
+
+// Short fixed answers: nothing from an error, a credential or an upstream
+// ever reaches a client's body.
+const (
+	textBadRequest  = "bad request\n"
+	textAuth        = "proxy authentication required\n"
+	textRefused     = "destination refused\n"
+	textBadGateway  = "bad gateway\n"
+	textTimeout     = "gateway timeout\n"
+	textUnavailable = "service unavailable\n"
+)
+
+// goproxyLogger sends goproxy's own log lines to slog at debug level.
+type goproxyLogger struct{ log *slog.Logger }
+
+func (g goproxyLogger) Printf(format string, v ...any) {
+	g.log.Debug("goproxy", "msg", fmt.Sprintf(format, v...))
+}
+
+var errDirectDial = errors.New("direct dial disabled: every connection goes through the pool")
+
+// initHTTP builds the goproxy server with its unsafe defaults replaced and
+// the http.Server in front of it.
+func (l *Listener) initHTTP() {
+	p := goproxy.NewProxyHttpServer()
+	p.Logger = goproxyLogger{l.log}
+	p.Verbose = false
+	// Never used (every request gets our RoundTripper), but its defaults read
+	// the environment's proxy and skip TLS verification: replace them.
+	p.Tr = &http.Transport{
+		Proxy: nil,
+		DialContext: func(context.Context, string, string) (net.Conn, error) {
+			return nil, errDirectDial
+		},
+	}
+	p.ConnectDial = func(string, string) (net.Conn, error) { return nil, errDirectDial }
+	p.ConnectDialWithReq = nil
+	p.ConnectionErrHandler = func(w io.Writer, _ *goproxy.ProxyCtx, _ error) {
+		_, _ = io.WriteString(w, "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\n"+textBadGateway)
+	}
+	p.NonproxyHandler = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		plainError(w, http.StatusBadRequest, textBadRequest)
+	})
+	p.KeepAcceptEncoding = true // pass the client's choice through untouched
+	p.KeepHeader = false        // strip Proxy-Authorization (we strip more below)
+	p.KeepDestinationHeaders = false
+	p.AllowHTTP2 = false
+	rt := goproxy.RoundTripperFunc(l.roundTrip)
+	p.OnRequest().DoFunc(func(r *http.Request, ctx *goproxy.ProxyCtx) (*http.Request, *http.Response) {
+		ctx.RoundTripper = rt
+		return r, nil
+	})
+	l.proxy = p
+	l.transports = newTransportCache(l)
+	l.srv = &http.Server{
+		Handler:           http.HandlerFunc(l.serveHTTP),
+		ReadHeaderTimeout: l.cfg.HeaderTimeout,
+		IdleTimeout:       l.cfg.IdleTimeout,
+		MaxHeaderBytes:    64 << 10,
+		ErrorLog:          log.New(io.Discard, "", 0),
+		BaseContext:       func(net.Listener) context.Context { return l.ctx },
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			return context.WithValue(ctx, connKey, c)
+		},
+	}
+	l.srv.SetKeepAlivesEnabled(true)
+}
+
+func plainError(w http.ResponseWriter, code int, text string) {
+	h := w.Header()
+	for k := range h {
+		delete(h, k)
+	}
+	h.Set("Content-Type", "text/plain; charset=utf-8")
+	h.Set("Content-Length", strconv.Itoa(len(text)))
+	w.WriteHeader(code)
+	_, _ = io.WriteString(w, text)
+}
+
+func (l *Listener) serveHTTP(w http.ResponseWriter, r *http.Request) {
+	cc, _ := r.Context().Value(connKey).(*clientConn)
+	if cc == nil {
+		plainError(w, http.StatusInternalServerError, "internal error\n")
+		return
+	}
+	user, pass, present := "", "", false
+	if v := r.Header.Get("Proxy-Authorization"); v != "" {
+		user, pass, present = parseBasic(v)
+		if !present {
+			present = true // a malformed header is a failed login, not none
+			user, pass = "\x00", ""
+		}
+	}
+	key, err := l.auth.check(user, pass, present)
+	if err != nil {
+		cc.setOutcome(OutcomeDenied)
+		w.Header().Set("Proxy-Authenticate", `Basic realm="proxyd"`)
+		plainError(w, http.StatusProxyAuthRequired, textAuth)
+		return
+	}
+	if r.Method == http.MethodConnect {
+		l.serveConnect(w, r, cc, key)
+		return
+	}
+	if r.URL.Scheme == "ws" && isUpgrade(r.Header) {
+		r.URL.Scheme = "http" // some WebSocket clients name the scheme of the upgrade
+	}
+	if !r.URL.IsAbs() || r.URL.Host == "" || (r.URL.Scheme != "http" && r.URL.Scheme != "https") {
+		cc.setOutcome(OutcomeClientError)
+		plainError(w, http.StatusBadRequest, textBadRequest)
+		return
+	}
+	defPort := uint16(80)
+	if r.URL.Scheme == "https" {
+		defPort = 443
+	}
+	host, port, err := splitHostPort(r.URL.Host, defPort)
+	if err == nil {
+		err = l.dest.check(host, port)
+	}
+	if err != nil {
+		l.refuse(w, cc, err)
+		return
+	}
+	if r.Host != "" && r.Host != r.URL.Host {
+		// The absolute URI decides; a different Host header would let the
+		// origin see another target than the one we checked.
+		r.Host = r.URL.Host
+	}
+	if isUpgrade(r.Header) {
+		l.serveUpgrade(w, r, cc, key, socks5.Addr{Host: host, Port: port})
+		return
+	}
+	ctx := context.WithValue(r.Context(), keyKey, key)
+	l.proxy.ServeHTTP(w, r.WithContext(ctx))
+}
+
+func (l *Listener) refuse(w http.ResponseWriter, cc *clientConn, err error) {
+	if errors.Is(err, errRefusedDestination) {
+		cc.setOutcome(OutcomeDenied)
+		plainError(w, http.StatusForbidden, textRefused)
+		return
+	}
+	cc.setOutcome(OutcomeClientError)
+	plainError(w, http.StatusBadRequest, textBadRequest)
+}
+
+// serveConnect opens a tunnel for CONNECT. It takes the client connection
+// with a hijack and keeps the bytes the client sent right behind its request
+// (already in the server's buffered reader): a client may start its TLS
+// handshake without waiting for our 200.
+func (l *Listener) serveConnect(w http.ResponseWriter, r *http.Request, cc *clientConn, key string) {
+	host, port, err := splitHostPort(r.RequestURI, 0)
+	if err == nil {
+		err = l.dest.check(host, port)
+	}
+	if err != nil {
+		l.refuse(w, cc, err)
+		return
+	}
+	conn, brw, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		cc.setOutcome(OutcomeClientError)
+		return
+	}
+	cc.hijacked.Store(true)
+	defer conn.Close()
+	var pending []byte
+	if n := brw.Reader.Buffered(); n > 0 {
+		b, _ := brw.Reader.Peek(n)
+		pending = append([]byte(nil), b...)
+	}
+	upc, up, retries, fail := l.openTunnel(l.ctx, key, socks5.Addr{Host: host, Port: port})
+	cc.retries.Add(int32(retries))
+	_ = conn.SetDeadline(time.Now().Add(l.cfg.HeaderTimeout))
+	if fail != nil {
+		cc.setOutcome(fail.outcome)
+		writeRawError(conn, fail.httpStatus())
+		return
+	}
+	defer l.pool.Release(up)
+	if !l.trackUpstream(upc) {
+		cc.setOutcome(OutcomeClientError)
+		return
+	}
+	defer l.untrackUpstream(upc)
+	if _, err := io.WriteString(conn, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
+		_ = upc.Close()
+		cc.setOutcome(OutcomeClientError)
+		return
+	}
+	_ = conn.SetDeadline(time.Time{})
+	cc.setOutcome(OutcomeOK)
+	l.startRelay(cc, upc, pending)
+}
+
+// startRelay moves bytes already read on either side, then relays.
+func (l *Listener) startRelay(cc *clientConn, upc net.Conn, pending []byte) {
+	if pc, ok := upc.(*prefixConn); ok {
+		if _, err := cc.Write(pc.prefix); err != nil {
+			_ = upc.Close()
+			return
+		}
+		upc = pc.Conn
+	}
+	if len(pending) > 0 {
+		// Already counted when the server read them from the client.
+		if _, err := upc.Write(pending); err != nil {
+			_ = upc.Close()
+			return
+		}
+	}
+	up, down := l.relay(cc.Conn, upc)
+	cc.up.Add(up)
+	cc.down.Add(down)
+}
+
+func writeRawError(w io.Writer, status int) {
+	text := textBadGateway
+	switch status {
+	case http.StatusGatewayTimeout:
+		text = textTimeout
+	case http.StatusServiceUnavailable:
+		text = textUnavailable
+	}
+	_, _ = fmt.Fprintf(w, "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
+		status, http.StatusText(status), len(text), text)
+}
+
+// answerOverCap tells a client over the connection cap so, then lets it read
+// the answer before the connection closes.
+func (l *Listener) answerOverCap(c net.Conn) {
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	if l.cfg.Protocol == ProtocolSOCKS5 {
+		if _, err := socks5.ReadRequest(c, socks5.ServerConfig{}); err == nil {
+			_ = socks5.WriteReply(c, socks5.ReplyGeneralFailure, socks5.Addr{})
+		}
+		return
+	}
+	writeRawError(c, http.StatusServiceUnavailable)
+	if cw, ok := c.(closeWriter); ok {
+		_ = cw.CloseWrite()
+	}
+	// Drain what the client sent so that closing does not reset the answer away.
+	_, _ = io.Copy(io.Discard, io.LimitReader(c, 64<<10))
+}
+
+// hop-by-hop headers never forwarded in either direction (RFC 9110 §7.6.1),
+// plus the proxy credentials.
+var hopHeaders = []string{
+	"Connection", "Proxy-Connection", "Keep-Alive", "Te", "Trailer",
+	"Transfer-Encoding", "Upgrade", "Proxy-Authorization", "Proxy-Authenticate",
+}
+
+// stripHop removes hop-by-hop headers, including those Connection names.
+// keepUpgrade keeps Connection: Upgrade and Upgrade for a proxied upgrade.
+func stripHop(h http.Header, keepUpgrade bool) {
+	for _, v := range h["Connection"] {
+		for _, f := range strings.Split(v, ",") {
+			f = textprotoTrim(f)
+			if f == "" || keepUpgrade && strings.EqualFold(f, "upgrade") {
+				continue
+			}
+			h.Del(f)
+		}
+	}
+	upg := h.Values("Upgrade")
+	for _, k := range hopHeaders {
+		h.Del(k)
+	}
+	if keepUpgrade {
+		h["Connection"] = []string{"Upgrade"}
+		h["Upgrade"] = upg
+	}
+}
+
+func textprotoTrim(s string) string { return strings.TrimSpace(s) }
+
+// isUpgrade reports a request asking for a protocol upgrade.
+func isUpgrade(h http.Header) bool {
+	if len(h.Values("Upgrade")) == 0 {
+		return false
+	}
+	for _, v := range h.Values("Connection") {
+		for _, f := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(f), "upgrade") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// serveUpgrade relays a protocol upgrade (WebSocket over plain HTTP): a
+// tunnel to the origin through an upstream, the request in origin form, and
+// after a 101 a relay that ends when either side closes.
+func (l *Listener) serveUpgrade(w http.ResponseWriter, r *http.Request, cc *clientConn, key string, dest socks5.Addr) {
+	if r.URL.Scheme != "http" {
+		cc.setOutcome(OutcomeClientError)
+		plainError(w, http.StatusBadRequest, textBadRequest)
+		return
+	}
+	upc, up, retries, fail := l.openTunnel(r.Context(), key, dest)
+	cc.retries.Add(int32(retries))
+	if fail != nil {
+		cc.setOutcome(fail.outcome)
+		status := fail.httpStatus()
+		text := textBadGateway
+		if status == http.StatusGatewayTimeout {
+			text = textTimeout
+		}
+		plainError(w, status, text)
+		return
+	}
+	defer l.pool.Release(up)
+	if !l.trackUpstream(upc) {
+		cc.setOutcome(OutcomeClientError)
+		return
+	}
+	defer l.untrackUpstream(upc)
+
+	out := r.Clone(r.Context())
+	out.RequestURI = ""
+	stripHop(out.Header, true)
+	_ = upc.SetDeadline(time.Now().Add(l.cfg.HandshakeTimeout))
+	if err := out.Write(upc); err != nil {
+		_ = upc.Close()
+		cc.setOutcome(OutcomeUpstreamError)
+		plainError(w, http.StatusBadGateway, textBadGateway)
+		return
+	}
+	br := bufio.NewReader(upc)
+	resp, err := http.ReadResponse(br, out)
+	if err != nil {
+		_ = upc.Close()
+		cc.setOutcome(OutcomeUpstreamError)
+		plainError(w, http.StatusBadGateway, textBadGateway)
+		return
+	}
+	_ = upc.SetDeadline(time.Time{})
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		// No upgrade: pass the answer on and close this origin connection.
+		defer upc.Close()
+		defer resp.Body.Close()
+		stripHop(resp.Header, false)
+		h := w.Header()
+		for k, v := range resp.Header {
+			h[k] = v
+		}
+		w.WriteHeader(resp.StatusCode)
+		_, _ = io.Copy(w, resp.Body)
+		cc.setOutcome(OutcomeOK)
+		return
+	}
+	conn, brw, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		_ = upc.Close()
+		cc.setOutcome(OutcomeClientError)
+		return
+	}
+	cc.hijacked.Store(true)
+	defer conn.Close()
+	var pending []byte
+	if n := brw.Reader.Buffered(); n > 0 {
+		b, _ := brw.Reader.Peek(n)
+		pending = append([]byte(nil), b...)
+	}
+	stripHop(resp.Header, true)
+	resp.Body = nil
+	if err := resp.Write(conn); err != nil {
+		_ = upc.Close()
+		cc.setOutcome(OutcomeClientError)
+		return
+	}
+	if n := br.Buffered(); n > 0 {
+		b, _ := br.Peek(n)
+		upc = &prefixConn{Conn: upc, prefix: append([]byte(nil), b...)}
+	}
+	cc.setOutcome(OutcomeOK)
+	l.startRelay(cc, upc, pending)
+}

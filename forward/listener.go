@@ -1,0 +1,377 @@
+// Package forward runs proxyd's local listeners: an HTTP proxy (plain
+// requests in absolute-URI form, CONNECT tunnels, WebSocket upgrades) built
+// on github.com/elazarl/goproxy, and a SOCKS5 server (CONNECT only). Each
+// client connection is relayed through an upstream picked from the pool, with
+// retries on other upstreams before the first byte reaches the client, and
+// its outcome is reported to the pool and to an Observer.
+//
+// Scope: local authentication (users and sticky-session usernames), the
+// client allow-list, the refused destinations of DESIGN.md §7, timeouts, a
+// connection cap, relaying with cheap idle tunnels. Left out: choosing
+// upstreams (package pool), metrics registration (package metrics), reading
+// configuration files (cmd/proxyd). proxyd never terminates TLS for clients
+// and never resolves destination host names itself.
+package forward
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/elazarl/goproxy"
+	"github.com/proxyd/proxyd/pool"
+)
+
+// ErrListenerClosed is returned by Serve on a listener that was already closed.
+var ErrListenerClosed = errors.New("forward: listener closed")
+
+// Listener is one local proxy listener (HTTP or SOCKS5).
+type Listener struct {
+	cfg    Config
+	pool   Pool
+	obs    Observer
+	log    *slog.Logger
+	auth   authenticator
+	dest   destPolicy
+	dialer *dialer
+
+	// HTTP only.
+	srv        *http.Server
+	proxy      *goproxy.ProxyHttpServer
+	transports *transportCache
+
+	// ctx is the parent of every outbound attempt; canceled by Close.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu       sync.Mutex
+	ln       net.Listener
+	conns    map[*clientConn]struct{}
+	upconns  map[net.Conn]struct{} // upstream sides of open tunnels
+	stopping bool                  // Shutdown or Close began: accept no more
+	closed   bool                  // Close: no new goroutines
+	wg       sync.WaitGroup        // goroutines started by spawn
+	active   atomic.Int64
+	rejects  atomic.Int64 // cap-rejection goroutines running
+}
+
+// NewListener builds a listener; it does not bind (see Serve).
+func NewListener(cfg Config, p Pool, obs Observer, logger *slog.Logger) (*Listener, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("validating listener %q: %w", cfg.Name, err)
+	}
+	if p == nil {
+		return nil, errors.New("creating listener: nil pool")
+	}
+	cfg = cfg.withDefaults()
+	if obs == nil {
+		obs = nopObserver{}
+	}
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	l := &Listener{
+		cfg:     cfg,
+		pool:    p,
+		obs:     obs,
+		log:     logger.With("listener", cfg.Name),
+		auth:    newAuthenticator(cfg.Users),
+		dest:    destPolicy{allow: cfg.AllowDestinations},
+		dialer:  newDialer(cfg),
+		ctx:     ctx,
+		cancel:  cancel,
+		conns:   make(map[*clientConn]struct{}),
+		upconns: make(map[net.Conn]struct{}),
+	}
+	if cfg.Protocol == ProtocolHTTP {
+		l.initHTTP()
+	}
+	return l, nil
+}
+
+type nopObserver struct{}
+
+func (nopObserver) Opened()                             {}
+func (nopObserver) Closed(Outcome, int64, int64, int)   {}
+func (nopObserver) Dialed(pool.Protocol, time.Duration) {}
+
+// Addr is the address Serve listens on, or nil before Serve.
+func (l *Listener) Addr() net.Addr {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.ln == nil {
+		return nil
+	}
+	return l.ln.Addr()
+}
+
+// ActiveConns is the number of open client connections.
+func (l *Listener) ActiveConns() int { return int(l.active.Load()) }
+
+// Serve accepts client connections on ln until Shutdown or Close; it then
+// returns nil. ln is closed when Serve returns.
+func (l *Listener) Serve(ln net.Listener) error {
+	l.mu.Lock()
+	if l.stopping || l.ln != nil {
+		l.mu.Unlock()
+		_ = ln.Close()
+		return ErrListenerClosed
+	}
+	l.ln = ln
+	l.mu.Unlock()
+	l.dest.setOwn(ownAddrs(ln.Addr()))
+	al := &acceptor{Listener: ln, l: l}
+	var err error
+	if l.cfg.Protocol == ProtocolHTTP {
+		err = l.srv.Serve(al)
+	} else {
+		err = l.serveSOCKS(al)
+	}
+	l.mu.Lock()
+	stopping := l.stopping
+	l.mu.Unlock()
+	if stopping {
+		return nil
+	}
+	return fmt.Errorf("serving listener %q: %w", l.cfg.Name, err)
+}
+
+// Shutdown stops accepting at once, waits for open connections to end until
+// ctx is done, then closes the rest. It returns ctx's error when it had to
+// close connections.
+func (l *Listener) Shutdown(ctx context.Context) error {
+	l.mu.Lock()
+	l.stopping = true
+	ln := l.ln
+	l.mu.Unlock()
+	if ln != nil {
+		_ = ln.Close()
+	}
+	var err error
+	if l.srv != nil {
+		// Closes idle keep-alive connections and waits for active requests.
+		err = l.srv.Shutdown(ctx)
+	}
+	if err == nil {
+		t := time.NewTicker(10 * time.Millisecond)
+		for l.active.Load() > 0 && err == nil {
+			select {
+			case <-ctx.Done():
+				err = ctx.Err()
+			case <-t.C:
+			}
+		}
+		t.Stop()
+	}
+	l.closeAll()
+	return err
+}
+
+// Close closes the listener and every connection at once.
+func (l *Listener) Close() error {
+	l.mu.Lock()
+	l.stopping = true
+	ln := l.ln
+	l.mu.Unlock()
+	if ln != nil {
+		_ = ln.Close()
+	}
+	if l.srv != nil {
+		_ = l.srv.Close()
+	}
+	l.closeAll()
+	return nil
+}
+
+func (l *Listener) closeAll() {
+	l.mu.Lock()
+	l.closed = true
+	conns := make([]*clientConn, 0, len(l.conns))
+	for c := range l.conns {
+		conns = append(conns, c)
+	}
+	ups := make([]net.Conn, 0, len(l.upconns))
+	for c := range l.upconns {
+		ups = append(ups, c)
+	}
+	l.mu.Unlock()
+	l.cancel()
+	for _, c := range conns {
+		_ = c.Close()
+	}
+	for _, c := range ups {
+		_ = c.Close()
+	}
+	l.wg.Wait()
+	if l.transports != nil {
+		l.transports.closeIdle()
+	}
+}
+
+// spawn runs f in a goroutine the listener waits for, unless it is closed.
+func (l *Listener) spawn(f func()) bool {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return false
+	}
+	l.wg.Add(1)
+	l.mu.Unlock()
+	go func() {
+		defer l.wg.Done()
+		f()
+	}()
+	return true
+}
+
+// trackUpstream registers the upstream side of a tunnel so that Close can
+// close it; false means the listener is closed and c was closed.
+func (l *Listener) trackUpstream(c net.Conn) bool {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		_ = c.Close()
+		return false
+	}
+	l.upconns[c] = struct{}{}
+	l.mu.Unlock()
+	return true
+}
+
+func (l *Listener) untrackUpstream(c net.Conn) {
+	l.mu.Lock()
+	delete(l.upconns, c)
+	l.mu.Unlock()
+}
+
+// acceptor applies the allow-list and the connection cap at accept, without
+// ever blocking the accept loop on a client.
+type acceptor struct {
+	net.Listener
+	l *Listener
+}
+
+func (a *acceptor) Accept() (net.Conn, error) {
+	l := a.l
+	for {
+		c, err := a.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		l.obs.Opened()
+		if !l.clientAllowed(c.RemoteAddr()) {
+			_ = c.Close()
+			l.obs.Closed(OutcomeDenied, 0, 0, 0)
+			continue
+		}
+		if l.active.Load() >= int64(l.cfg.MaxConns) {
+			l.rejectOverCap(c)
+			continue
+		}
+		cc := &clientConn{Conn: c, l: l}
+		l.mu.Lock()
+		if l.closed {
+			l.mu.Unlock()
+			_ = c.Close()
+			l.obs.Closed(OutcomeDenied, 0, 0, 0)
+			continue
+		}
+		l.conns[cc] = struct{}{}
+		l.active.Add(1)
+		l.mu.Unlock()
+		return cc, nil
+	}
+}
+
+func (l *Listener) clientAllowed(a net.Addr) bool {
+	if len(l.cfg.Allow) == 0 {
+		return true
+	}
+	ta, ok := a.(*net.TCPAddr)
+	if !ok {
+		return false
+	}
+	ip, ok := netip.AddrFromSlice(ta.IP)
+	if !ok {
+		return false
+	}
+	ip = ip.Unmap()
+	for _, p := range l.cfg.Allow {
+		if p.Contains(ip) {
+			return true
+		}
+	}
+	return false
+}
+
+// maxRejecters bounds the goroutines answering clients over the cap; past
+// it they are closed without an answer.
+const maxRejecters = 64
+
+// rejectOverCap answers a client over the connection cap (503 or SOCKS
+// 0x01) in its own short-lived goroutine, so that accept never waits.
+func (l *Listener) rejectOverCap(c net.Conn) {
+	if l.rejects.Add(1) > maxRejecters || !l.spawn(func() {
+		defer l.rejects.Add(-1)
+		l.answerOverCap(c)
+		_ = c.Close()
+		l.obs.Closed(OutcomeDenied, 0, 0, 0)
+	}) {
+		l.rejects.Add(-1)
+		_ = c.Close()
+		l.obs.Closed(OutcomeDenied, 0, 0, 0)
+	}
+}
+
+// clientConn is an accepted client connection: it counts bytes and reports
+// the connection's outcome once, when closed.
+type clientConn struct {
+	net.Conn
+	l        *Listener
+	once     sync.Once
+	up, down atomic.Int64
+	retries  atomic.Int32
+	outcome  atomic.Int32 // Outcome+1; 0 = nothing served yet
+	hijacked atomic.Bool
+	closeErr error
+}
+
+func (c *clientConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	c.up.Add(int64(n))
+	return n, err
+}
+
+func (c *clientConn) Write(p []byte) (int, error) {
+	n, err := c.Conn.Write(p)
+	c.down.Add(int64(n))
+	return n, err
+}
+
+// setOutcome records the outcome of the latest request on the connection.
+func (c *clientConn) setOutcome(o Outcome) { c.outcome.Store(int32(o) + 1) }
+
+func (c *clientConn) Close() error {
+	c.once.Do(func() {
+		c.closeErr = c.Conn.Close()
+		l := c.l
+		l.mu.Lock()
+		delete(l.conns, c)
+		l.mu.Unlock()
+		l.active.Add(-1)
+		o := OutcomeClientError
+		if v := c.outcome.Load(); v > 0 {
+			o = Outcome(v - 1)
+		}
+		l.obs.Closed(o, c.up.Load(), c.down.Load(), int(c.retries.Load()))
+	})
+	return c.closeErr
+}

@@ -1,0 +1,145 @@
+package forward
+
+import (
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// relayBufSize is the copy buffer taken from the pool while a direction
+// moves data; an idle direction holds none.
+const relayBufSize = 64 << 10
+
+var relayBufs = sync.Pool{New: func() any { b := make([]byte, relayBufSize); return &b }}
+
+// tunnel relays bytes between a client and an upstream connection.
+type tunnel struct {
+	idle     time.Duration
+	lastSeen atomic.Int64 // unix nanoseconds of the last byte moved either way
+	once     sync.Once
+	a, b     net.Conn
+}
+
+// relay copies in both directions until both are done, an error occurs or
+// the tunnel is idle for l.cfg.IdleTimeout; then it closes both conns. up and
+// down are the bytes client→upstream and upstream→client. One direction runs
+// in the calling goroutine, the other in a goroutine the listener owns.
+func (l *Listener) relay(client, upstream net.Conn) (up, down int64) {
+	t := &tunnel{idle: l.cfg.IdleTimeout, a: client, b: upstream}
+	t.lastSeen.Store(time.Now().UnixNano())
+	var wg sync.WaitGroup
+	wg.Add(1)
+	if !l.spawn(func() {
+		defer wg.Done()
+		down = t.pump(client, upstream)
+	}) {
+		wg.Done()
+		t.closeBoth()
+		return 0, 0
+	}
+	up = t.pump(upstream, client)
+	wg.Wait()
+	t.closeBoth()
+	return up, down
+}
+
+func (t *tunnel) closeBoth() {
+	t.once.Do(func() {
+		_ = t.a.Close()
+		_ = t.b.Close()
+	})
+}
+
+type closeWriter interface{ CloseWrite() error }
+
+// pump copies src to dst. On EOF it passes the half-close on; on any other
+// error it closes both ends so that the other direction stops too.
+func (t *tunnel) pump(dst, src net.Conn) int64 {
+	var rc syscall.RawConn
+	if sc, ok := src.(syscall.Conn); ok {
+		rc, _ = sc.SyscallConn()
+	}
+	var n int64
+	var peek [1]byte
+	lastDeadline := time.Time{}
+	for {
+		// Park on readability without holding a buffer.
+		if rc != nil {
+			now := time.Now()
+			if now.Sub(lastDeadline) > time.Second {
+				_ = src.SetReadDeadline(now.Add(t.idle))
+				lastDeadline = now
+			}
+			err := rc.Read(func(fd uintptr) bool {
+				_, _, err := syscall.Recvfrom(int(fd), peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+				return !errors.Is(err, syscall.EAGAIN)
+			})
+			if err != nil {
+				if t.stillActive(src, err) {
+					lastDeadline = time.Time{}
+					continue
+				}
+				t.closeBoth()
+				return n
+			}
+		}
+		bp := relayBufs.Get().(*[]byte)
+		buf := *bp
+		var err error
+		for {
+			var r int
+			if rc == nil {
+				_ = src.SetReadDeadline(time.Now().Add(t.idle))
+			}
+			r, err = src.Read(buf)
+			if r > 0 {
+				t.lastSeen.Store(time.Now().UnixNano())
+				w, werr := dst.Write(buf[:r])
+				n += int64(w)
+				if werr != nil {
+					err = werr
+					break
+				}
+			}
+			if err != nil || r < len(buf) || rc == nil {
+				break
+			}
+		}
+		relayBufs.Put(bp)
+		if err == nil {
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			if cw, ok := dst.(closeWriter); ok {
+				_ = cw.CloseWrite()
+			} else {
+				t.closeBoth()
+			}
+			return n
+		}
+		if t.stillActive(src, err) {
+			lastDeadline = time.Time{}
+			continue
+		}
+		t.closeBoth()
+		return n
+	}
+}
+
+// stillActive reports, after a read deadline fired on src, whether the other
+// direction moved data recently; then the deadline is pushed out.
+func (t *tunnel) stillActive(src net.Conn, err error) bool {
+	if !isTimeout(err) {
+		return false
+	}
+	last := time.Unix(0, t.lastSeen.Load())
+	if time.Since(last) >= t.idle {
+		return false
+	}
+	_ = src.SetReadDeadline(last.Add(t.idle))
+	return true
+}

@@ -1,0 +1,337 @@
+package forward
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/elazarl/goproxy"
+	"github.com/proxyd/proxyd/forward/socks5"
+	"github.com/proxyd/proxyd/pool"
+)
+
+const attemptKey ctxKey = 100
+
+// attemptInfo is what a transport's dialer learned during one attempt.
+type attemptInfo struct {
+	mu       sync.Mutex
+	dialErr  *dialError
+	dialed   bool
+	dialTook time.Duration
+}
+
+func recordDial(ctx context.Context, derr *dialError, took time.Duration) {
+	info, _ := ctx.Value(attemptKey).(*attemptInfo)
+	if info == nil {
+		return
+	}
+	info.mu.Lock()
+	defer info.mu.Unlock()
+	if derr != nil {
+		info.dialErr = derr
+		return
+	}
+	info.dialed = true
+	info.dialTook = took
+}
+
+func (i *attemptInfo) get() (*dialError, bool, time.Duration) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.dialErr, i.dialed, i.dialTook
+}
+
+// maxTransports bounds the per-upstream transports kept with idle connections.
+const maxTransports = 1024
+
+// transportCache keeps one http.Transport per upstream (and credential), so
+// that plain requests reuse upstream connections.
+type transportCache struct {
+	l  *Listener
+	mu sync.Mutex
+	m  map[string]*http.Transport
+}
+
+func newTransportCache(l *Listener) *transportCache {
+	return &transportCache{l: l, m: make(map[string]*http.Transport)}
+}
+
+func (tc *transportCache) get(u *pool.Upstream) *http.Transport {
+	k := u.ID() + "\x00" + u.Username + "\x00" + u.Password
+	tc.mu.Lock()
+	defer tc.mu.Unlock()
+	if tr, ok := tc.m[k]; ok {
+		return tr
+	}
+	if len(tc.m) >= maxTransports {
+		for old, tr := range tc.m { // evict one arbitrary entry
+			tr.CloseIdleConnections()
+			delete(tc.m, old)
+			break
+		}
+	}
+	tr := tc.newTransport(u)
+	tc.m[k] = tr
+	return tr
+}
+
+func (tc *transportCache) closeIdle() {
+	tc.mu.Lock()
+	defer tc.mu.Unlock()
+	for k, tr := range tc.m {
+		tr.CloseIdleConnections()
+		delete(tc.m, k)
+	}
+}
+
+func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
+	d := tc.l.dialer
+	tr := &http.Transport{
+		Proxy:                 nil, // never from the environment
+		TLSClientConfig:       &tls.Config{MinVersion: tls.VersionTLS12},
+		TLSHandshakeTimeout:   d.handshakeTimeout,
+		DisableCompression:    true, // the client's Accept-Encoding goes through as sent
+		MaxIdleConns:          512,
+		MaxIdleConnsPerHost:   128,
+		IdleConnTimeout:       90 * time.Second,
+		ExpectContinueTimeout: time.Second,
+		ForceAttemptHTTP2:     false,
+	}
+	switch u.Protocol {
+	case pool.SOCKS5:
+		tr.DialContext = func(ctx context.Context, _, addr string) (net.Conn, error) {
+			host, port, err := splitHostPort(addr, 0)
+			if err != nil {
+				return nil, err
+			}
+			start := time.Now()
+			c, derr := d.tunnel(ctx, u, socks5.Addr{Host: host, Port: port})
+			recordDial(ctx, derr, time.Since(start))
+			if derr != nil {
+				return nil, derr
+			}
+			return c, nil
+		}
+	default:
+		pu := &url.URL{Scheme: "http", Host: u.Address}
+		tr.Proxy = func(*http.Request) (*url.URL, error) { return pu, nil }
+		if a := basicAuth(u); a != "" {
+			tr.ProxyConnectHeader = http.Header{"Proxy-Authorization": {a}}
+		}
+		tr.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
+			start := time.Now()
+			c, derr := d.dialTCP(ctx, u)
+			recordDial(ctx, derr, time.Since(start))
+			if derr != nil {
+				return nil, derr
+			}
+			return c, nil
+		}
+		tr.OnProxyConnectResponse = func(ctx context.Context, _ *url.URL, _ *http.Request, resp *http.Response) error {
+			var derr *dialError
+			switch s := resp.StatusCode; {
+			case s >= 200 && s < 300:
+				return nil
+			case s == http.StatusProxyAuthRequired:
+				derr = &dialError{result: pool.AuthRejected, status: s, err: errors.New("upstream answered 407")}
+			case s == http.StatusBadGateway || s == http.StatusGatewayTimeout:
+				derr = &dialError{result: pool.DestinationError, status: s, err: errors.New("upstream answered " + strconv.Itoa(s))}
+			default:
+				derr = &dialError{result: pool.ProxyError, status: s, err: errors.New("upstream answered " + strconv.Itoa(s))}
+			}
+			recordDial(ctx, derr, 0)
+			return derr
+		}
+	}
+	return tr
+}
+
+// replayBody lets a request body be handed to another attempt as long as the
+// failed attempt read none of it.
+type replayBody struct {
+	rc       io.ReadCloser
+	read     atomic.Int64
+	inflight atomic.Int32
+	cur      *bodyAttempt
+}
+
+type bodyAttempt struct {
+	rb   *replayBody
+	dead atomic.Bool
+}
+
+var errAttemptOver = errors.New("request attempt over")
+
+func (a *bodyAttempt) Read(p []byte) (int, error) {
+	rb := a.rb
+	rb.inflight.Add(1)
+	defer rb.inflight.Add(-1)
+	if a.dead.Load() {
+		return 0, errAttemptOver
+	}
+	n, err := rb.rc.Read(p)
+	rb.read.Add(int64(n))
+	return n, err
+}
+
+// Close does not close the client's body: the server does, and a retry may
+// still need it.
+func (a *bodyAttempt) Close() error { return nil }
+
+// next ends the current attempt's view of the body and returns a fresh one,
+// or nil when bytes were already consumed (the request cannot be replayed).
+func (rb *replayBody) next() io.ReadCloser {
+	if rb.cur != nil {
+		rb.cur.dead.Store(true)
+		if rb.inflight.Load() > 0 || rb.read.Load() > 0 {
+			return nil
+		}
+	}
+	rb.cur = &bodyAttempt{rb: rb}
+	return rb.cur
+}
+
+// releaseBody releases the upstream when the response body is done.
+type releaseBody struct {
+	io.ReadCloser
+	once    sync.Once
+	release func()
+}
+
+func (b *releaseBody) Close() error {
+	err := b.ReadCloser.Close()
+	b.once.Do(b.release)
+	return err
+}
+
+func errorResponse(req *http.Request, status int) *http.Response {
+	text := textBadGateway
+	if status == http.StatusGatewayTimeout {
+		text = textTimeout
+	}
+	return &http.Response{
+		Status:        strconv.Itoa(status) + " " + http.StatusText(status),
+		StatusCode:    status,
+		Proto:         "HTTP/1.1",
+		ProtoMajor:    1,
+		ProtoMinor:    1,
+		Header:        http.Header{"Content-Type": {"text/plain; charset=utf-8"}, "Content-Length": {strconv.Itoa(len(text))}},
+		Body:          io.NopCloser(strings.NewReader(text)),
+		ContentLength: int64(len(text)),
+		Request:       req,
+	}
+}
+
+// roundTrip sends one plain request through upstreams picked from the pool,
+// trying others before any answer reached the client while the request can
+// still be sent again. It never returns an error: goproxy would put its text
+// in the body.
+func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Response, error) {
+	ctx := req.Context()
+	cc, _ := ctx.Value(connKey).(*clientConn)
+	key, _ := ctx.Value(keyKey).(string)
+	stripHop(req.Header, false)
+	var rb *replayBody
+	if req.Body != nil && req.Body != http.NoBody {
+		rb = &replayBody{rc: req.Body}
+	}
+	preq := pool.Request{Listener: l.cfg.Name, Key: key}
+	start := time.Now()
+	outcome := OutcomeNoUpstream
+	status := http.StatusBadGateway
+	attempt := 0
+	defer func() {
+		if cc != nil {
+			cc.retries.Add(int32(attempt))
+		}
+	}()
+	for ; attempt <= l.cfg.Retries; attempt++ {
+		if attempt > 0 && time.Since(start) >= l.cfg.RetryBudget {
+			break
+		}
+		up, err := l.pool.Pick(ctx, preq)
+		if err != nil || up == nil {
+			break
+		}
+		info := &attemptInfo{}
+		out := req.WithContext(context.WithValue(ctx, attemptKey, info))
+		if rb != nil {
+			body := rb.next()
+			if body == nil {
+				l.pool.Release(up)
+				break
+			}
+			out.Body = body
+		}
+		out.Header = req.Header.Clone()
+		if up.Protocol != pool.SOCKS5 && req.URL.Scheme == "http" {
+			if a := basicAuth(up); a != "" {
+				out.Header.Set("Proxy-Authorization", a)
+			}
+		}
+		t0 := time.Now()
+		resp, err := l.transports.get(up).RoundTrip(out)
+		took := time.Since(t0)
+		derr, dialed, dialTook := info.get()
+		var res pool.Result
+		switch {
+		case err == nil && up.Protocol != pool.SOCKS5 && resp.StatusCode == http.StatusProxyAuthRequired:
+			_ = resp.Body.Close()
+			res = pool.AuthRejected
+		case err == nil:
+			res = pool.Success
+		case derr != nil:
+			res = derr.result
+		case ctx.Err() != nil:
+			res = pool.Canceled
+		default:
+			res = pool.HandshakeTimeout // no or malformed answer
+		}
+		if res == pool.Success {
+			if dialed {
+				took = dialTook
+				l.obs.Dialed(up.Protocol, dialTook)
+			}
+			l.pool.Report(up, pool.Success, took)
+			stripHop(resp.Header, false)
+			resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() { l.pool.Release(up) }}
+			if cc != nil {
+				cc.setOutcome(OutcomeOK)
+			}
+			return resp, nil
+		}
+		if dialed {
+			took = dialTook
+		}
+		l.pool.Report(up, res, took)
+		l.pool.Release(up)
+		outcome = OutcomeUpstreamError
+		if res == pool.Canceled {
+			outcome = OutcomeClientError
+			break
+		}
+		if !res.UpstreamFault() {
+			if derr != nil && derr.status == http.StatusGatewayTimeout {
+				status = http.StatusGatewayTimeout
+			}
+			break
+		}
+		preq.Avoid = append(preq.Avoid, up.ID())
+	}
+	if attempt > l.cfg.Retries {
+		attempt = l.cfg.Retries
+	}
+	if cc != nil {
+		cc.setOutcome(outcome)
+	}
+	return errorResponse(req, status), nil
+}

@@ -1,0 +1,101 @@
+package forward
+
+import (
+	"errors"
+	"net"
+	"time"
+
+	"github.com/proxyd/proxyd/forward/socks5"
+)
+
+// serveSOCKS is the SOCKS5 accept loop.
+func (l *Listener) serveSOCKS(al *acceptor) error {
+	var backoff time.Duration
+	for {
+		c, err := al.Accept()
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() && !errors.Is(err, net.ErrClosed) {
+				// Temporary (e.g. out of file descriptors): back off, keep serving.
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				time.Sleep(backoff)
+				continue
+			}
+			return err
+		}
+		backoff = 0
+		cc := c.(*clientConn)
+		if !l.spawn(func() { l.serveSOCKSConn(cc) }) {
+			_ = cc.Close()
+		}
+	}
+}
+
+func (l *Listener) serveSOCKSConn(cc *clientConn) {
+	defer cc.Close()
+	_ = cc.SetDeadline(time.Now().Add(l.cfg.HeaderTimeout))
+	var key string
+	scfg := socks5.ServerConfig{
+		RequireAuth: l.auth.required(),
+		Authenticate: func(user, pass string) bool {
+			k, err := l.auth.check(user, pass, true)
+			key = k
+			return err == nil
+		},
+	}
+	req, err := socks5.ReadRequest(cc, scfg)
+	if err != nil {
+		var re *socks5.RequestError
+		switch {
+		case errors.As(err, &re):
+			cc.setOutcome(OutcomeClientError)
+			_ = socks5.WriteReply(cc, re.Reply, socks5.Addr{})
+		case errors.Is(err, socks5.ErrAuthFailed) || errors.Is(err, socks5.ErrNoAcceptableMethod):
+			cc.setOutcome(OutcomeDenied)
+		default:
+			cc.setOutcome(OutcomeClientError)
+		}
+		return
+	}
+	if err := l.dest.check(req.Dest.Host, req.Dest.Port); err != nil {
+		reply := byte(socks5.ReplyNotAllowed)
+		cc.setOutcome(OutcomeDenied)
+		if errors.Is(err, errBadDestination) {
+			reply = socks5.ReplyAddressNotSupported
+			cc.setOutcome(OutcomeClientError)
+		}
+		_ = socks5.WriteReply(cc, reply, socks5.Addr{})
+		return
+	}
+	upc, up, retries, fail := l.openTunnel(l.ctx, key, req.Dest)
+	cc.retries.Add(int32(retries))
+	if fail != nil {
+		cc.setOutcome(fail.outcome)
+		_ = socks5.WriteReply(cc, fail.socksReply(), socks5.Addr{})
+		return
+	}
+	defer l.pool.Release(up)
+	if !l.trackUpstream(upc) {
+		cc.setOutcome(OutcomeClientError)
+		return
+	}
+	defer l.untrackUpstream(upc)
+	if err := socks5.WriteReply(cc, socks5.ReplySucceeded, bindAddr(upc)); err != nil {
+		_ = upc.Close()
+		cc.setOutcome(OutcomeClientError)
+		return
+	}
+	_ = cc.SetDeadline(time.Time{})
+	cc.setOutcome(OutcomeOK)
+	l.startRelay(cc, upc, nil)
+}
+
+// bindAddr is the address reported to the client: our side of the upstream
+// connection (the upstream's own bound address means nothing to the client).
+func bindAddr(c net.Conn) socks5.Addr {
+	if ta, ok := c.LocalAddr().(*net.TCPAddr); ok {
+		ap := ta.AddrPort()
+		return socks5.Addr{Host: ap.Addr().Unmap().String(), Port: ap.Port()}
+	}
+	return socks5.Addr{}
+}
