@@ -173,3 +173,24 @@ func FuzzClientHandshake(f *testing.F) {
 		}
 	})
 }
+
+// parseIP is netip.ParseAddr without the error value: same answers.
+func FuzzParseIP(f *testing.F) {
+	for _, s := range []string{"", "1.2.3.4", "::1", "fe80::1%eth0", "::ffff:1.2.3.4", "beef", "dead:beef::",
+		"example.com", "1.2.3", "01.2.3.4", "2001:db8::1", "ABCD::", "1.2.3.4.5", "a:b"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		want, err := netip.ParseAddr(s)
+		got, ok := parseIP(s)
+		if ok != (err == nil) || got != want {
+			t.Fatalf("parseIP(%q) = %v, %v; netip: %v, %v", s, got, ok, want, err)
+		}
+		if gotB, okB := parseIP([]byte(s)); okB != ok || gotB != got {
+			t.Fatalf("parseIP([]byte(%q)) differs", s)
+		}
+		if (Addr{Host: s}).IsDomain() == ok {
+			t.Fatalf("IsDomain(%q) = %v", s, !ok)
+		}
+	})
+}

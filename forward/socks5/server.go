@@ -138,7 +138,7 @@ func ReadRequest(rw io.ReadWriter, cfg ServerConfig) (*Request, error) {
 			return nil, err
 		}
 		req.Dest.Port = uint16(buf[n])<<8 | uint16(buf[n+1])
-		if !validHost(string(buf[:n])) {
+		if !validHost(buf[:n]) {
 			return req, &RequestError{Reply: ReplyAddressNotSupported, why: fmt.Sprintf("invalid domain name (%d bytes)", n)}
 		}
 		req.Dest.Host = string(buf[:n])

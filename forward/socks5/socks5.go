@@ -106,7 +106,7 @@ type Addr struct {
 
 // String returns host:port, with an IPv6 literal in brackets.
 func (a Addr) String() string {
-	if ip, err := netip.ParseAddr(a.Host); err == nil && ip.Is6() {
+	if ip, ok := parseIP(a.Host); ok && ip.Is6() {
 		return "[" + a.Host + "]:" + strconv.Itoa(int(a.Port))
 	}
 	return a.Host + ":" + strconv.Itoa(int(a.Port))
@@ -117,8 +117,31 @@ func (a Addr) String() string {
 // is an IP literal here, so checks on literal destinations cannot be
 // sidestepped through ATYP 3.
 func (a Addr) IsDomain() bool {
-	_, err := netip.ParseAddr(a.Host)
-	return err != nil
+	_, ok := parseIP(a.Host)
+	return !ok
+}
+
+// parseIP parses an IP literal like netip.ParseAddr, without the error
+// value (which allocates) for the common case of a domain name.
+func parseIP[T ~string | ~[]byte](h T) (netip.Addr, bool) {
+	letters := false
+	for i := 0; i < len(h); i++ {
+		switch c := h[i]; {
+		case c == ':': // IPv6 is the only candidate left
+			ip, err := netip.ParseAddr(string(h))
+			return ip, err == nil
+		case '0' <= c && c <= '9', c == '.':
+		case 'a' <= c && c <= 'f', 'A' <= c && c <= 'F':
+			letters = true
+		default:
+			return netip.Addr{}, false // not in an address before its first ':'
+		}
+	}
+	if letters || len(h) == 0 {
+		return netip.Addr{}, false // IPv4 has none
+	}
+	ip, err := netip.ParseAddr(string(h))
+	return ip, err == nil
 }
 
 // RequestError is returned by ReadRequest, together with the parsed
@@ -188,11 +211,8 @@ func malformed(detail string, cause error) error {
 // made of letters, digits, '-', '_' and '.'. Anything else (spaces, control
 // bytes, ':' '/' '@' '%' and the like) could change meaning once the name is
 // put in a host:port string or a URL, so it is refused rather than passed on.
-func validHost(h string) bool {
-	if ip, err := netip.ParseAddr(h); err == nil {
-		return ip.Zone() == ""
-	}
-	if len(h) == 0 || len(h) > MaxDomainBytes {
+func validHost[T ~string | ~[]byte](h T) bool {
+	if len(h) == 0 {
 		return false
 	}
 	for i := 0; i < len(h); i++ {
@@ -201,10 +221,13 @@ func validHost(h string) bool {
 		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9',
 			c == '-', c == '_', c == '.':
 		default:
-			return false
+			// Not a plain name (nor IPv4); only an IPv6 literal remains.
+			ip, ok := parseIP(h)
+			return ok && ip.Zone() == ""
 		}
 	}
-	return true
+	// A domain name, or an IPv4 literal: both are carried as they are.
+	return len(h) <= MaxDomainBytes
 }
 
 func errBadHost(h string) error {
@@ -229,7 +252,7 @@ func appendAddr(b []byte, a Addr) []byte {
 	if a.Host == "" {
 		return append(b, AtypIPv4, 0, 0, 0, 0, byte(a.Port>>8), byte(a.Port))
 	}
-	if ip, err := netip.ParseAddr(a.Host); err == nil {
+	if ip, ok := parseIP(a.Host); ok {
 		if ip.Is4() {
 			v := ip.As4()
 			b = append(b, AtypIPv4)
