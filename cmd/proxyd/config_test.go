@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -156,5 +157,25 @@ func TestAPICredentialPrecedence(t *testing.T) {
 	_, _, _, _, err := (&apiConfig{TokenFile: filepath.Join(dir, "missing")}).credential(env(nil))
 	if err == nil || !strings.Contains(err.Error(), "api.token_file: reading") {
 		t.Errorf("missing token file: %v", err)
+	}
+}
+
+// config.example.toml documents every key with its default: it must parse,
+// and its values must be the defaults.
+func TestExampleConfig(t *testing.T) {
+	cfg, err := loadConfig(filepath.Join("..", "..", "config.example.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	def := defaultConfig()
+	def.Listener = defaultListeners()
+	for i := range def.Listener {
+		def.Listener[i].Upstream = def.Listener[i].Protocol
+	}
+	if fmt.Sprintf("%+v", cfg) != fmt.Sprintf("%+v", def) {
+		t.Errorf("example differs from the defaults:\n%+v\n%+v", cfg, def)
+	}
+	if errs := wireProblems(&cfg); len(errs) > 0 {
+		t.Error(errs)
 	}
 }
