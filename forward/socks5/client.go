@@ -78,7 +78,7 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 		return Addr{}, err
 	}
 	if buf[0] != VersionSOCKS5 {
-		return Addr{}, malformed(fmt.Sprintf("method selection version %#02x", buf[0]), nil)
+		return Addr{}, malformed(fmt.Sprintf("method selection version 0x%02x", buf[0]), nil)
 	}
 	switch m := buf[1]; {
 	case m == MethodNoAcceptable:
@@ -97,13 +97,13 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 		// Some servers put the SOCKS version (5) instead of the
 		// subnegotiation version (1) here; the status is what matters.
 		if buf[0] != VersionUserPass && buf[0] != VersionSOCKS5 {
-			return Addr{}, malformed(fmt.Sprintf("authentication status version %#02x", buf[0]), nil)
+			return Addr{}, malformed(fmt.Sprintf("authentication status version 0x%02x", buf[0]), nil)
 		}
 		if buf[1] != UserPassSucceeded {
-			return Addr{}, fmt.Errorf("%w: status %#02x", ErrAuthRejected, buf[1])
+			return Addr{}, fmt.Errorf("%w: status 0x%02x", ErrAuthRejected, buf[1])
 		}
 	default:
-		return Addr{}, malformed(fmt.Sprintf("upstream selected method %#02x that was not offered", m), nil)
+		return Addr{}, malformed(fmt.Sprintf("upstream selected method 0x%02x that was not offered", m), nil)
 	}
 
 	if !c.Pipeline {
@@ -118,7 +118,7 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 		return Addr{}, err
 	}
 	if buf[0] != VersionSOCKS5 {
-		return Addr{}, malformed(fmt.Sprintf("reply version %#02x", buf[0]), nil)
+		return Addr{}, malformed(fmt.Sprintf("reply version 0x%02x", buf[0]), nil)
 	}
 	if buf[1] != ReplySucceeded {
 		// The bound address of a failure reply carries nothing of use and
@@ -150,7 +150,7 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 		bound.Host = string(buf[:n])
 		bound.Port = uint16(buf[n])<<8 | uint16(buf[n+1])
 	default:
-		return Addr{}, malformed(fmt.Sprintf("reply address type %#02x", atyp), nil)
+		return Addr{}, malformed(fmt.Sprintf("reply address type 0x%02x", atyp), nil)
 	}
 	return bound, nil
 }

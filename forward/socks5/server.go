@@ -54,7 +54,7 @@ func ReadRequest(rw io.ReadWriter, cfg ServerConfig) (*Request, error) {
 		return nil, err
 	}
 	if buf[0] != VersionSOCKS5 {
-		return nil, fmt.Errorf("reading greeting: %w: %#02x", ErrVersion, buf[0])
+		return nil, fmt.Errorf("reading greeting: %w: 0x%02x", ErrVersion, buf[0])
 	}
 	methods := buf[:buf[1]]
 	if err := readFull(rw, methods, "greeting methods"); err != nil {
@@ -82,7 +82,7 @@ func ReadRequest(rw io.ReadWriter, cfg ServerConfig) (*Request, error) {
 			return nil, err
 		}
 		if buf[0] != VersionUserPass {
-			return nil, fmt.Errorf("reading username/password: %w: %#02x", ErrVersion, buf[0])
+			return nil, fmt.Errorf("reading username/password: %w: 0x%02x", ErrVersion, buf[0])
 		}
 		ulen := int(buf[1])
 		if err := readFull(rw, buf[:ulen+1], "username/password"); err != nil {
@@ -113,7 +113,7 @@ func ReadRequest(rw io.ReadWriter, cfg ServerConfig) (*Request, error) {
 		return nil, err
 	}
 	if buf[0] != VersionSOCKS5 {
-		return nil, fmt.Errorf("reading request: %w: %#02x", ErrVersion, buf[0])
+		return nil, fmt.Errorf("reading request: %w: 0x%02x", ErrVersion, buf[0])
 	}
 	req.Command = buf[1]
 	switch atyp := buf[3]; atyp {
@@ -144,10 +144,10 @@ func ReadRequest(rw io.ReadWriter, cfg ServerConfig) (*Request, error) {
 		req.Dest.Host = string(buf[:n])
 	default:
 		// The address's length is unknown, so nothing after ATYP can be read.
-		return req, &RequestError{Reply: ReplyAddressNotSupported, why: fmt.Sprintf("address type %#02x", atyp)}
+		return req, &RequestError{Reply: ReplyAddressNotSupported, why: fmt.Sprintf("address type 0x%02x", atyp)}
 	}
 	if req.Command != CmdConnect {
-		return req, &RequestError{Reply: ReplyCommandNotSupported, why: fmt.Sprintf("command %#02x", req.Command)}
+		return req, &RequestError{Reply: ReplyCommandNotSupported, why: fmt.Sprintf("command 0x%02x", req.Command)}
 	}
 	return req, nil
 }
