@@ -517,7 +517,7 @@ func parseProxyLine(s string) (Entry, bool) {
 			break
 		}
 	}
-	if s == "" || strings.ContainsAny(s, " \t") {
+	if s == "" {
 		return Entry{}, false
 	}
 	if i := strings.IndexByte(s, '@'); i >= 0 {
