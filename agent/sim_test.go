@@ -445,7 +445,9 @@ func TestSimAuth(t *testing.T) {
 		want error
 	}{
 		{"token", nil, nil},
-		{"login", func(c *Config) { c.Token, c.Login, c.Password = "", providersim.DefaultLogin, providersim.DefaultPassword }, nil},
+		{"login", func(c *Config) {
+			c.Token, c.Login, c.Password = "", providersim.DefaultLogin, providersim.DefaultPassword
+		}, nil},
 		{"wrong token", func(c *Config) { c.Token = "wrong-token" }, ErrUnauthenticated},
 		{"wrong password", func(c *Config) { c.Token, c.Login, c.Password = "", providersim.DefaultLogin, "nope" }, ErrUnauthenticated},
 		{"no colon", func(c *Config) { c.Token = base64.StdEncoding.EncodeToString([]byte("no-colon-here")) }, ErrInvalidCredentialsFormat},
