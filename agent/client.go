@@ -63,7 +63,7 @@ type Config struct {
 	MaxBody int64
 	// Observe, if set, is called after each request with the route
 	// template, the HTTP status as text ("200") or "error" when no answer
-	// came, and the time taken.
+	// came, and the time taken. It may be called concurrently.
 	Observe func(route, code string, took time.Duration)
 	// Logger, if set, receives one debug record per request. It never
 	// receives the credential.
@@ -381,8 +381,14 @@ func escapedPath(route string, args []string) string {
 	return p
 }
 
-// decodeError wraps a decoding failure of route's answer; the message may
+// decodeError wraps a decoding failure of route's answer. A 2xx body that
+// carries the provider's {"error": ...} adds that message. The text may
 // quote part of the body, so it is scrubbed like error bodies are.
-func (c *Client) decodeError(route string, err error) error {
+func (c *Client) decodeError(route string, body []byte, err error) error {
+	if t := bytes.TrimSpace(body); len(t) > 0 && t[0] == '{' {
+		if msg := errorMessage(t); msg != "" {
+			err = fmt.Errorf("%w (provider says %q)", err, msg)
+		}
+	}
 	return &DecodeError{Route: route, Err: c.scrubErr(err)}
 }

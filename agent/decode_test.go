@@ -243,3 +243,20 @@ func isEmptyList(v any) bool {
 	rv := reflect.ValueOf(v)
 	return rv.Kind() == reflect.Slice && rv.Len() == 0
 }
+
+func TestDecodeErrorKeepsProviderMessage(t *testing.T) {
+	srv, _ := serve(t, 200, `{"error":"Service not found "}`)
+	c := newTestClient(t, srv.URL)
+	for _, call := range []func() error{
+		func() error { _, err := c.Service(context.Background(), 1); return err },
+		func() error { _, err := c.Services(context.Background()); return err },
+		func() error { _, err := c.StickyList(context.Background(), 1); return err },
+		func() error { _, err := c.IPList(context.Background(), 1, "http-ip", "json"); return err },
+	} {
+		err := call()
+		var de *DecodeError
+		if !errors.As(err, &de) || !strings.Contains(err.Error(), `provider says "Service not found"`) {
+			t.Errorf("err = %v, want a DecodeError with the provider's message", err)
+		}
+	}
+}

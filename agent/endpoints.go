@@ -48,7 +48,7 @@ func get[T any](ctx context.Context, c *Client, route string, dec func([]byte) (
 	}
 	v, err := dec(body)
 	if err != nil {
-		return zero, c.decodeError(route, err)
+		return zero, c.decodeError(route, body, err)
 	}
 	return v, nil
 }
@@ -92,7 +92,7 @@ func (c *Client) Order(ctx context.Context, pid int, o OrderRequest) (*OrderResu
 	}
 	v, err := object[OrderResult]("serviceId", "orderId", "invoiceId")(body)
 	if err != nil {
-		return nil, c.decodeError(RouteProduct, err)
+		return nil, c.decodeError(RouteProduct, body, err)
 	}
 	return v, nil
 }
@@ -226,7 +226,7 @@ func (c *Client) UpdateService(ctx context.Context, id int, u ServiceUpdate) (Se
 	}
 	res, err := decodeUpdateResult(body)
 	if err != nil {
-		return nil, c.decodeError(RouteService, err)
+		return nil, c.decodeError(RouteService, body, err)
 	}
 	return res, nil
 }
@@ -292,7 +292,7 @@ func (c *Client) IPList(ctx context.Context, id int, typ, format string) (*IPLis
 	}
 	l, err := ParseIPList(body, format)
 	if err != nil {
-		return l, c.decodeError(RouteIPList, err)
+		return l, c.decodeError(RouteIPList, body, err)
 	}
 	return l, nil
 }
@@ -305,7 +305,7 @@ func (c *Client) StickyList(ctx context.Context, id int) (*StickyList, error) {
 	}
 	l, err := ParseStickyList(body)
 	if err != nil {
-		return l, c.decodeError(RouteStickyList, err)
+		return l, c.decodeError(RouteStickyList, body, err)
 	}
 	return l, nil
 }
