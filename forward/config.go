@@ -21,6 +21,7 @@ const (
 	DefaultHandshakeTimeout = 10 * time.Second
 	DefaultIdleTimeout      = 5 * time.Minute
 	DefaultRetryBudget      = 15 * time.Second
+	DefaultResponseTimeout  = 60 * time.Second
 	DefaultRetries          = 2
 	DefaultMaxConns         = 4096
 )
@@ -56,6 +57,10 @@ type Config struct {
 	HandshakeTimeout time.Duration // CONNECT/SOCKS answer of an upstream; default 10s
 	IdleTimeout      time.Duration // idle tunnel or keep-alive client connection; default 5m
 	RetryBudget      time.Duration // total time for all attempts of one connection; default 15s
+	// ResponseTimeout bounds the wait for a plain request's response head
+	// through an upstream (an upstream that accepts and never answers);
+	// default 60s.
+	ResponseTimeout time.Duration
 
 	// Retries is how many more upstreams are tried after the first fails
 	// (before any byte reached the client). Default 2; negative means none.
@@ -92,6 +97,7 @@ func (c Config) withDefaults() Config {
 	setDur(&c.HandshakeTimeout, DefaultHandshakeTimeout)
 	setDur(&c.IdleTimeout, DefaultIdleTimeout)
 	setDur(&c.RetryBudget, DefaultRetryBudget)
+	setDur(&c.ResponseTimeout, DefaultResponseTimeout)
 	if c.Retries == 0 {
 		c.Retries = DefaultRetries
 	} else if c.Retries < 0 {
@@ -135,7 +141,7 @@ func (c Config) Validate() error {
 	}{
 		{"header_timeout", c.HeaderTimeout}, {"dial_timeout", c.DialTimeout},
 		{"handshake_timeout", c.HandshakeTimeout}, {"idle_timeout", c.IdleTimeout},
-		{"retry_budget", c.RetryBudget},
+		{"retry_budget", c.RetryBudget}, {"response_timeout", c.ResponseTimeout},
 	} {
 		if d.v < 0 {
 			return fmt.Errorf("%s: negative duration %s", d.name, d.v)

@@ -104,6 +104,7 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 		MaxIdleConnsPerHost:   128,
 		IdleConnTimeout:       90 * time.Second,
 		ExpectContinueTimeout: time.Second,
+		ResponseHeaderTimeout: tc.l.cfg.ResponseTimeout,
 		ForceAttemptHTTP2:     false,
 	}
 	switch u.Protocol {
