@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/proxyd/proxyd/forward/socks5"
@@ -26,6 +27,8 @@ type Proxy struct {
 	user, pass string
 	ln         net.Listener
 	addr       string
+
+	accepted atomic.Int64
 
 	mu    sync.Mutex
 	conns map[net.Conn]struct{}
@@ -91,6 +94,9 @@ func (p *Proxy) Up() error {
 	return p.listen(p.addr)
 }
 
+// Accepted counts the connections the proxy accepted so far.
+func (p *Proxy) Accepted() int64 { return p.accepted.Load() }
+
 // Close stops the proxy for good.
 func (p *Proxy) Close() { p.Down() }
 
@@ -115,6 +121,7 @@ func (p *Proxy) accept(ln net.Listener) {
 		if err != nil {
 			return
 		}
+		p.accepted.Add(1)
 		if !p.track(c, true) {
 			c.Close()
 			continue

@@ -341,7 +341,7 @@ func (c *config) validateListeners() configErrors {
 		case err != nil:
 			fail(p+".address", "must be host:port: %v", err)
 		default:
-			if j, dup := addrs[l.Address]; dup {
+			if j, dup := addrs[l.Address]; dup && !strings.HasSuffix(l.Address, ":0") {
 				fail(p+".address", "%s is already the address of listener[%d]", l.Address, j)
 			}
 			addrs[l.Address] = i

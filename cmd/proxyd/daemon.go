@@ -43,8 +43,11 @@ type daemon struct {
 	lastSaved []byte
 	readyOnce sync.Once
 
-	ready chan struct{} // closed once every listener accepts
-	wg    sync.WaitGroup
+	ready   chan struct{} // closed once every listener accepts
+	stop    chan struct{} // closed by Close
+	stopped chan struct{} // closed when Run returned
+	once    sync.Once
+	wg      sync.WaitGroup
 }
 
 // runningListener is one served listener and its accept loop.
@@ -75,6 +78,8 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 		cfg:       cfg,
 		listeners: map[string]*runningListener{},
 		ready:     make(chan struct{}),
+		stop:      make(chan struct{}),
+		stopped:   make(chan struct{}),
 	}
 	var err error
 	d.metrics, err = metrics.New(d.reg, metrics.Options{
@@ -137,6 +142,16 @@ func (f rotatorFunc) Rotate(ctx context.Context, service int, server, session st
 // Run serves until ctx ends, then drains and stops. A listener or admin
 // address that cannot be bound fails Run at once.
 func (d *daemon) Run(ctx context.Context) error {
+	defer close(d.stopped)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-d.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
 	d.loadState()
 
 	d.mu.Lock()
@@ -180,6 +195,33 @@ func (d *daemon) Run(ctx context.Context) error {
 	d.admin.close()
 	d.log.Info("stopped")
 	return nil
+}
+
+// Close stops a running daemon as SIGTERM does and waits for Run to return.
+func (d *daemon) Close() error {
+	d.once.Do(func() { close(d.stop) })
+	<-d.stopped
+	return nil
+}
+
+// listenerAddr is the bound address of a listener ("" if not running).
+func (d *daemon) listenerAddr(name string) string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if rl, ok := d.listeners[name]; ok {
+		return rl.l.Addr().String()
+	}
+	return ""
+}
+
+// adminAddr is the bound admin address ("" if off).
+func (d *daemon) adminAddr() string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.admin == nil || d.admin.ln == nil {
+		return ""
+	}
+	return d.admin.ln.Addr().String()
 }
 
 // listen binds with SO_REUSEPORT so that a reload can bind a listener's

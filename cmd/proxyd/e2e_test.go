@@ -1,0 +1,482 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/net/proxy"
+
+	"github.com/proxyd/proxyd/agent"
+	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/pool"
+)
+
+// e2e is a running daemon against the demo world: providersim, its proxy
+// servers on 127.0.x.y and an origin.
+type e2e struct {
+	t        *testing.T
+	w        *demoWorld
+	d        *daemon
+	cfg      config
+	stateDir string
+	logs     *lockedWriter
+	done     chan error
+}
+
+// quietPolls makes the background loops poll once at start and then wait
+// an hour, so that tests drive the polls with PollOnce.
+func quietPolls(cfg *config) {
+	cfg.Poll.IPList = duration(time.Hour)
+	cfg.Poll.NetworkStatus = duration(time.Hour)
+	cfg.Poll.Usage = duration(time.Hour)
+	cfg.Poll.Account = duration(time.Hour)
+}
+
+func newWorld(t *testing.T) *demoWorld {
+	t.Helper()
+	w, err := startDemoWorld()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.close)
+	return w
+}
+
+func startDaemon(t *testing.T, w *demoWorld, stateDir string, mutate func(*config)) *e2e {
+	t.Helper()
+	cfg := demoConfig(w, "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0", stateDir)
+	quietPolls(&cfg)
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	logs := &lockedWriter{w: &bytes.Buffer{}}
+	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
+	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] },
+		logger: slog.New(slog.NewTextHandler(logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &e2e{t: t, w: w, d: d, cfg: cfg, stateDir: stateDir, logs: logs, done: make(chan error, 1)}
+	go func() { e.done <- d.Run(context.Background()) }()
+	select {
+	case <-d.ready:
+	case err := <-e.done:
+		t.Fatalf("daemon did not start: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("daemon not ready after 10s")
+	}
+	t.Cleanup(e.stop)
+	return e
+}
+
+func (e *e2e) stop() {
+	e.d.Close()
+	select {
+	case err := <-e.done:
+		if err != nil {
+			e.t.Errorf("Run: %v", err)
+		}
+	default:
+	}
+}
+
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return fmt.Sprint(l.w)
+}
+
+func (l *lockedWriter) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(b)
+}
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", d, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (e *e2e) admin(path string) (int, string) {
+	resp, err := http.Get("http://" + e.d.adminAddr() + path)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func (e *e2e) poolState() pool.Explanation {
+	_, body := e.admin("/pool")
+	var ex pool.Explanation
+	if err := json.Unmarshal([]byte(body), &ex); err != nil {
+		e.t.Fatalf("decoding /pool: %v: %s", err, body)
+	}
+	return ex
+}
+
+func (e *e2e) waitReady() {
+	e.t.Helper()
+	waitFor(e.t, "/readyz 200", 10*time.Second, func() bool { code, _ := e.admin("/readyz"); return code == 200 })
+}
+
+// get fetches the origin through a listener ("http" or "socks"), with an
+// optional sticky key, and returns the body and the upstream that carried it.
+func (e *e2e) get(listener, key string) (string, string, error) {
+	var tr *http.Transport
+	addr := e.d.listenerAddr(listener)
+	switch e.cfgProtocol(listener) {
+	case "http":
+		u := &url.URL{Scheme: "http", Host: addr}
+		if key != "" {
+			u.User = url.UserPassword("session-"+key, "x")
+		}
+		tr = &http.Transport{Proxy: http.ProxyURL(u), DisableKeepAlives: true}
+	default:
+		var auth *proxy.Auth
+		if key != "" {
+			auth = &proxy.Auth{User: "session-" + key, Password: "x"}
+		}
+		dialer, err := proxy.SOCKS5("tcp", addr, auth, proxy.Direct)
+		if err != nil {
+			return "", "", err
+		}
+		tr = &http.Transport{DialContext: dialer.(proxy.ContextDialer).DialContext, DisableKeepAlives: true}
+	}
+	defer tr.CloseIdleConnections()
+	c := &http.Client{Transport: tr, Timeout: 15 * time.Second}
+	resp, err := c.Get("http://" + e.w.origin + "/hello")
+	if err != nil {
+		return "", "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if resp.StatusCode != 200 {
+		return string(b), "", fmt.Errorf("status %d: %s", resp.StatusCode, b)
+	}
+	return string(b), resp.Header.Get("X-Sim-Upstream"), err
+}
+
+func (e *e2e) cfgProtocol(name string) string {
+	for _, l := range e.cfg.Listener {
+		if l.Name == name {
+			return l.Protocol
+		}
+	}
+	return ""
+}
+
+func (e *e2e) mustGet(listener, key string) string {
+	e.t.Helper()
+	body, via, err := e.get(listener, key)
+	if err != nil || !strings.HasPrefix(body, "hello from the demo origin") {
+		e.t.Fatalf("GET through %s: %q %v", listener, body, err)
+	}
+	return via
+}
+
+func (e *e2e) pollOnce(l agent.Loop) {
+	e.t.Helper()
+	if err := e.d.poller.PollOnce(context.Background(), l); err != nil {
+		e.t.Fatalf("poll %s: %v", l, err)
+	}
+}
+
+func hostOf(addr string) string {
+	h, _, _ := net.SplitHostPort(addr)
+	return h
+}
+
+func TestDaemonTrafficOnBothListeners(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	for i := 0; i < 6; i++ {
+		e.mustGet("http", "")
+		e.mustGet("socks", "")
+	}
+	var socksUsed int64
+	for _, p := range w.fprSOCKS {
+		socksUsed += p.Accepted()
+	}
+	if socksUsed == 0 {
+		t.Error("no SOCKS5 upstream carried a connection")
+	}
+	code, body := e.admin("/metrics")
+	if code != 200 || !strings.Contains(body, `proxyd_connections_total{listener="http",result="ok"} 6`) {
+		t.Errorf("metrics: %d\n%s", code, grepLines(body, "proxyd_connections_total"))
+	}
+}
+
+func grepLines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+func TestDaemonErroredIPGetsNoConnections(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	bad := w.fprHTTP[0]
+	w.sim.MarkErrored(demoFPR, hostOf(bad.Addr()))
+	e.pollOnce(agent.LoopStatus)
+	before := bad.Accepted()
+	for i := 0; i < 12; i++ {
+		e.mustGet("http", "")
+	}
+	if n := bad.Accepted() - before; n != 0 {
+		t.Errorf("the errored upstream took %d connections after the poll", n)
+	}
+	found := false
+	for _, u := range e.poolState().Upstreams {
+		if u.Address == bad.Addr() && u.Protocol == pool.HTTP {
+			found = true
+			if u.State != pool.ProviderError {
+				t.Errorf("state %s, want provider_error", u.State)
+			}
+		}
+	}
+	if !found {
+		t.Error("the errored upstream is missing from /pool")
+	}
+}
+
+func TestDaemonAPIDownKeepsServingAndBacksOff(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) {
+		c.Poll.NetworkStatus = duration(time.Second)
+		c.Poll.MaxBackoff = duration(8 * time.Second)
+		c.Poll.Jitter = 0.01
+	})
+	e.waitReady()
+	w.sim.FailNext(1<<30, 500, "<html>internal error</html>")
+	route := "/api/networkstatus/errors/{id}"
+	start := w.sim.Requests(route)
+	began := time.Now()
+	// Healthy, the 1s loop would poll each of the 2 services about 5 times
+	// in 4.5s (10 requests); failing, it backs off 1s, 2s, 4s: at most 3
+	// rounds of 2 requests.
+	for time.Since(began) < 4500*time.Millisecond {
+		e.mustGet("http", "")
+		e.mustGet("socks", "")
+		time.Sleep(150 * time.Millisecond)
+	}
+	if n := w.sim.Requests(route) - start; n > 6 {
+		t.Errorf("%d network status requests in 4.5s while the API fails: not backed off", n)
+	}
+	if code, _ := e.admin("/readyz"); code != 200 {
+		t.Errorf("readyz %d while the API is down", code)
+	}
+	if !strings.Contains(e.logs.String(), "provider API poll failed") {
+		t.Error("API failures are not logged")
+	}
+}
+
+func TestDaemonRestartServesFromState(t *testing.T) {
+	w := newWorld(t)
+	state := t.TempDir()
+	e := startDaemon(t, w, state, nil)
+	e.waitReady()
+	waitFor(t, "state file", 5*time.Second, func() bool {
+		_, err := os.Stat(filepath.Join(state, stateFileName))
+		return err == nil
+	})
+	fi, _ := os.Stat(filepath.Join(state, stateFileName))
+	if fi.Mode().Perm() != 0o600 {
+		t.Errorf("state file mode %v, want 0600", fi.Mode().Perm())
+	}
+	e.d.Close()
+
+	w.sim.FailNext(1<<30, 500, "down")
+	e2 := startDaemon(t, w, state, nil)
+	e2.waitReady()
+	e2.mustGet("http", "")
+	e2.mustGet("socks", "")
+	_, body := e2.admin("/metrics")
+	if !strings.Contains(body, "proxyd_state_age_seconds") {
+		t.Error("state age is not exported")
+	}
+}
+
+func TestDaemonReadyzFollowsUsableUpstreams(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	var all []string
+	for _, ps := range [][]*providersim.Proxy{w.fprHTTP, w.fprSOCKS} {
+		for _, p := range ps {
+			all = append(all, hostOf(p.Addr()))
+		}
+	}
+	w.sim.MarkErrored(demoFPR, all...)
+	w.sim.MarkInactive(demoPPR, hostOf(w.sessions[0].Addr()))
+	e.pollOnce(agent.LoopStatus)
+	code, body := e.admin("/readyz")
+	if code != 503 || !strings.Contains(body, "no usable upstream") {
+		t.Fatalf("readyz with every upstream excluded: %d %q", code, body)
+	}
+	w.sim.ClearStatus(demoFPR)
+	w.sim.ClearStatus(demoPPR)
+	e.pollOnce(agent.LoopStatus)
+	if code, body := e.admin("/readyz"); code != 200 {
+		t.Fatalf("readyz after the provider cleared them: %d %q", code, body)
+	}
+}
+
+func TestDaemonStickySessionRotated(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) {
+		c.Listener = append(c.Listener, defaultListener())
+		l := &c.Listener[2]
+		l.Name, l.Protocol, l.Upstream, l.Address, l.Kind = "ppr", "http", "http", "127.0.0.1:0", "ppr"
+		l.AllowDestinations = []string{"127.0.0.0/8"}
+		c.Pool.RotateWait = duration(2 * time.Second)
+	})
+	e.waitReady()
+	via := e.mustGet("ppr", "k1")
+	if !strings.HasPrefix(via, "ppr-session-") {
+		t.Fatalf("sticky ppr request went via %q", via)
+	}
+	for i := 0; i < 3; i++ {
+		if again := e.mustGet("ppr", "k1"); again != via {
+			t.Fatalf("sticky key moved from %s to %s", via, again)
+		}
+	}
+	idx := 0
+	if via == "ppr-session-s2" {
+		idx = 1
+	}
+	sess := w.sim.Sessions(demoPPR)[idx]
+	w.sessions[idx].Down()
+	// The client still gets an answer (another session for this one
+	// connection), and the pool asks the provider to rotate the session.
+	e.mustGet("ppr", "k1")
+	waitFor(t, "a rotation through the provider", 10*time.Second, func() bool {
+		return w.sim.Requests("/api/sticky/rotate/{id}/{server}/{session}") > 0
+	})
+	waitFor(t, "the new exit IP in /pool", 10*time.Second, func() bool {
+		now := w.sim.Sessions(demoPPR)[idx].ExitIP
+		if now == sess.ExitIP {
+			return false
+		}
+		for _, u := range e.poolState().Upstreams {
+			if u.Session == sess.Session && u.ExitIP == now {
+				return true
+			}
+		}
+		return false
+	})
+	_, body := e.admin("/metrics")
+	if !strings.Contains(body, `proxyd_sticky_rotations_total{result="ok",service="102"} 1`) {
+		t.Errorf("rotation metric:\n%s", grepLines(body, "sticky_rotations"))
+	}
+}
+
+func TestDaemonQuotaMovesTrafficElsewhere(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	w.sim.SetUsage(demoPPR, 1024, 1024)
+	e.pollOnce(agent.LoopUsage)
+	before := int64(0)
+	for _, p := range w.sessions {
+		before += p.Accepted()
+	}
+	for i := 0; i < 10; i++ {
+		if via := e.mustGet("http", ""); !strings.HasPrefix(via, "fpr-") {
+			t.Fatalf("request went via %s while service %d is at its limit", via, demoPPR)
+		}
+	}
+	after := int64(0)
+	for _, p := range w.sessions {
+		after += p.Accepted()
+	}
+	if after != before {
+		t.Errorf("the ppr gateway took %d connections at its usage limit", after-before)
+	}
+	for _, u := range e.poolState().Upstreams {
+		if u.Service == demoPPR && u.State != pool.Quota {
+			t.Errorf("%s: state %s, want quota", u.ID, u.State)
+		}
+	}
+	_, body := e.admin("/metrics")
+	if !strings.Contains(body, `proxyd_usage_limit{service="102"} 1024`) {
+		t.Errorf("usage metrics:\n%s", grepLines(body, "proxyd_usage"))
+	}
+}
+
+func TestDaemonPoolEndpointAndCommand(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	code, body := e.admin("/pool?service=101&state=healthy&listener=http")
+	if code != 200 {
+		t.Fatalf("/pool: %d %s", code, body)
+	}
+	var ex pool.Explanation
+	json.Unmarshal([]byte(body), &ex)
+	if len(ex.Upstreams) != 3 || len(ex.Listeners) != 1 || ex.Listeners[0].Name != "http" {
+		t.Errorf("filtered /pool: %d upstreams, listeners %+v", len(ex.Upstreams), ex.Listeners)
+	}
+	if strings.Contains(body, "pw-101-sim") || strings.Contains(body, "password") {
+		t.Error("/pool shows a password")
+	}
+	if code, _ := e.admin("/pool?state=bogus"); code != 400 {
+		t.Errorf("unknown state: %d", code)
+	}
+	var out, errb bytes.Buffer
+	rc := runMain(context.Background(), []string{"pool", "-admin", e.d.adminAddr()}, stdio{out: &out, err: &errb, getenv: func(string) string { return "" }})
+	if rc != 0 || !strings.Contains(out.String(), "LISTENER") || !strings.Contains(out.String(), "101/http/") {
+		t.Errorf("proxyd pool: %d %s %s", rc, out.String(), errb.String())
+	}
+}
+
+// TestRenderPoolGolden pins the table of `proxyd pool`.
+func TestRenderPoolGolden(t *testing.T) {
+	until := time.Date(2026, 11, 21, 10, 0, 30, 0, time.UTC)
+	ex := pool.Explanation{
+		Updated:   time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC),
+		Listeners: []pool.ListenerExplanation{{Name: "http", Usable: 1, Total: 2, Panic: false}, {Name: "socks", Usable: 0, Total: 1, Panic: true}},
+		Upstreams: []pool.UpstreamExplanation{
+			{ID: "101/http/192.0.2.1:8080", Service: 101, State: pool.Healthy},
+			{ID: "101/http/192.0.2.2:8080", Service: 101, State: pool.Ejected, Reason: "dial_refused", Failures: 7, ConsecutiveFailures: 3, Ejections: 1, EjectedUntil: &until},
+			{ID: "102/socks5/gw.example:9000/s1", Service: 102, State: pool.Rotating, ExitIP: "198.51.100.7", InFlight: 2},
+		},
+	}
+	var b bytes.Buffer
+	if err := renderPool(&b, ex, until.Add(-10*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	golden(t, "../pool_table", b.String())
+}
