@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/netip"
 	"strings"
 	"testing"
 )
@@ -223,6 +224,9 @@ func TestAddr(t *testing.T) {
 		}
 		if got := c.a.IsDomain(); got != c.isDomain {
 			t.Errorf("%#v.IsDomain() = %v, want %v", c.a, got, c.isDomain)
+		}
+		if ip, ok := c.a.IP(); ok == c.isDomain || (ok && ip != netip.MustParseAddr(c.a.Host)) {
+			t.Errorf("%#v.IP() = %v, %v", c.a, ip, ok)
 		}
 	}
 }

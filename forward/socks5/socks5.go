@@ -121,6 +121,12 @@ func (a Addr) IsDomain() bool {
 	return !ok
 }
 
+// IP returns Host as an address when it is an IP literal (possibly
+// IPv4-mapped IPv6, kept as such), for checks on literal destinations.
+func (a Addr) IP() (netip.Addr, bool) {
+	return parseIP(a.Host)
+}
+
 // parseIP parses an IP literal like netip.ParseAddr, without the error
 // value (which allocates) for the common case of a domain name.
 func parseIP[T ~string | ~[]byte](h T) (netip.Addr, bool) {
