@@ -1,0 +1,252 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/agent/providersim"
+)
+
+// freePort returns a loopback address that was free a moment ago.
+func freePort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// notifySocket collects sd_notify datagrams.
+type notifySocket struct {
+	conn *net.UnixConn
+	msgs chan string
+}
+
+func newNotifySocket(t *testing.T) (*notifySocket, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "notify.sock")
+	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: path, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := &notifySocket{conn: conn, msgs: make(chan string, 64)}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		buf := make([]byte, 4096)
+		for {
+			k, err := conn.Read(buf)
+			if err != nil {
+				close(n.msgs)
+				return
+			}
+			n.msgs <- string(buf[:k])
+		}
+	}()
+	t.Cleanup(func() { conn.Close(); <-done })
+	return n, path
+}
+
+// expect waits for the next datagram and checks it starts with want.
+func (n *notifySocket) expect(t *testing.T, want string) string {
+	t.Helper()
+	select {
+	case m := <-n.msgs:
+		if !strings.HasPrefix(m, want) {
+			t.Fatalf("sd_notify: got %q, want %q", m, want)
+		}
+		return m
+	case <-time.After(15 * time.Second):
+		t.Fatalf("sd_notify: no %q within 15s", want)
+	}
+	return ""
+}
+
+func writeConfig(t *testing.T, path string, w *demoWorld, state string, listeners ...[2]string) {
+	t.Helper()
+	var b strings.Builder
+	fmt.Fprintf(&b, "[api]\nbase_url = %q\nservices = [101, 102]\n\n", w.simURL)
+	fmt.Fprintf(&b, "[state]\ndir = %q\n\n[admin]\naddress = \"\"\n\n[shutdown]\ndrain_timeout = \"20s\"\n\n", state)
+	for _, l := range listeners {
+		fmt.Fprintf(&b, "[[listener]]\nname = %q\nprotocol = \"http\"\naddress = %q\nallow_destinations = [\"127.0.0.0/8\"]\n\n", l[0], l[1])
+	}
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// slowOrigin accepts one connection, waits for a "go" line, then sends size
+// bytes and closes.
+func slowOrigin(t *testing.T, size int) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		br := bufio.NewReader(c)
+		if _, err := br.ReadString('\n'); err != nil {
+			return
+		}
+		c.Write(bytes.Repeat([]byte("x"), size))
+	}()
+	t.Cleanup(func() { ln.Close(); <-done })
+	return ln.Addr().String()
+}
+
+// TestDaemonSignals runs the real binary: sd_notify READY=1, SIGHUP with a
+// good config (a new listener) and with bad ones, then SIGTERM while a
+// tunnel is open: the tunnel finishes its transfer and proxyd exits 0.
+func TestDaemonSignals(t *testing.T) {
+	bin := proxydBinary(t)
+	w := newWorld(t)
+	notify, sock := newNotifySocket(t)
+	dir := t.TempDir()
+	cfgPath := filepath.Join(dir, "config.toml")
+	httpAddr := freePort(t)
+	writeConfig(t, cfgPath, w, filepath.Join(dir, "state"), [2]string{"http", httpAddr})
+
+	cmd := exec.Command(bin, "run", "-config", cfgPath)
+	cmd.Env = append(os.Environ(), "PROXYD_API_TOKEN="+providersim.DefaultToken, "NOTIFY_SOCKET="+sock)
+	stderr := &lockedWriter{w: &bytes.Buffer{}}
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		select {
+		case <-exited:
+		case <-time.After(5 * time.Second):
+		}
+		if t.Failed() {
+			t.Logf("proxyd stderr:\n%s", stderr.String())
+		}
+	})
+	notify.expect(t, "READY=1")
+
+	through := func(addr string) error {
+		c := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{Proxy: http.ProxyURL(mustURL("http://" + addr)), DisableKeepAlives: true}}
+		var err error
+		deadline := time.Now().Add(10 * time.Second)
+		for time.Now().Before(deadline) {
+			var resp *http.Response
+			resp, err = c.Get("http://" + w.origin + "/")
+			if err == nil {
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode == 200 {
+					return nil
+				}
+				err = fmt.Errorf("status %d", resp.StatusCode)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		return err
+	}
+	if err := through(httpAddr); err != nil {
+		t.Fatalf("first request: %v", err)
+	}
+
+	// An open tunnel that must survive reloads and a drain.
+	const size = 4 << 20
+	originAddr := slowOrigin(t, size)
+	tunnel, err := net.Dial("tcp", httpAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tunnel.Close()
+	fmt.Fprintf(tunnel, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", originAddr, originAddr)
+	br := bufio.NewReader(tunnel)
+	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %v %v", resp, err)
+	}
+
+	// SIGHUP with a good config: a second listener appears.
+	second := freePort(t)
+	writeConfig(t, cfgPath, w, filepath.Join(dir, "state"), [2]string{"http", httpAddr}, [2]string{"extra", second})
+	cmd.Process.Signal(syscall.SIGHUP)
+	m := notify.expect(t, "RELOADING=1")
+	if !strings.Contains(m, "MONOTONIC_USEC=") {
+		t.Errorf("RELOADING=1 without MONOTONIC_USEC: %q", m)
+	}
+	notify.expect(t, "READY=1")
+	if err := through(second); err != nil {
+		t.Fatalf("new listener after reload: %v", err)
+	}
+
+	// SIGHUP with bad configs: logged, the old config kept.
+	for _, bad := range []string{"[api\nbroken", "[api]\nbase_url = \"http://x\"\ntokn = \"typo\"\n"} {
+		os.WriteFile(cfgPath, []byte(bad), 0o644)
+		cmd.Process.Signal(syscall.SIGHUP)
+		notify.expect(t, "RELOADING=1")
+		notify.expect(t, "READY=1")
+		if err := through(httpAddr); err != nil {
+			t.Fatalf("after a bad reload: %v", err)
+		}
+		if err := through(second); err != nil {
+			t.Fatalf("after a bad reload, the second listener: %v", err)
+		}
+	}
+	waitFor(t, "the reload errors in the log", 5*time.Second, func() bool {
+		return strings.Contains(stderr.String(), "reload refused") && strings.Contains(stderr.String(), "tokn: unknown key")
+	})
+
+	// SIGTERM with the tunnel open: stop accepting, let it finish.
+	cmd.Process.Signal(syscall.SIGTERM)
+	notify.expect(t, "STOPPING=1")
+	waitFor(t, "the listener to stop accepting", 5*time.Second, func() bool {
+		c, err := net.DialTimeout("tcp", httpAddr, time.Second)
+		if err != nil {
+			return true
+		}
+		c.Close()
+		return false
+	})
+	fmt.Fprintf(tunnel, "go\n")
+	n, err := io.Copy(io.Discard, br)
+	if err != nil || n != size {
+		t.Fatalf("tunnel transfer after SIGTERM: %d of %d bytes, %v", n, size, err)
+	}
+	tunnel.Close() // the client's half: the tunnel is over
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("proxyd exited with %v", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("proxyd did not exit after the tunnel closed")
+	}
+}
+
+func mustURL(s string) *url.URL {
+	u, err := url.Parse(s)
+	if err != nil {
+		panic(err)
+	}
+	return u
+}
