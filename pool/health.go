@@ -44,6 +44,7 @@ type host struct {
 
 	id       string
 	addrHost string // host part of Address, as the provider's status lists name it
+	mark     uint64 // the last Update that listed it; under Pool.mu
 }
 
 func newHost(id string, u *Upstream) *host {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -32,6 +33,7 @@ type Pool struct {
 	inactive  map[int]map[string]bool // per service: inactive IPs
 	quota     map[int]bool            // per service: usage limit reached
 	draining  map[string]*host        // removed upstreams with connections in flight
+	gen       uint64                  // the last Update, for host.mark
 
 	ejectMu sync.Mutex // ejection and re-admission against the per-slice counters
 
@@ -108,7 +110,7 @@ func New(cfg Config, opts Options) (*Pool, error) {
 		p.rand = rand.Uint64
 	}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
-	p.snap.Store(p.build(nil, time.Time{}))
+	p.snap.Store(p.build(nil, map[string]*host{}, time.Time{}))
 	return p, nil
 }
 
@@ -129,16 +131,13 @@ func (p *Pool) SetListeners(ls []ListenerSlice) {
 		p.listeners = []ListenerSlice{}
 	}
 	old := p.snap.Load()
-	p.publish(p.build(old.hosts, old.updated))
+	p.publish(p.build(old.hosts, old.byID, old.updated))
 }
 
 // build makes a snapshot of hosts with the current listener slices; the
 // caller holds p.mu.
-func (p *Pool) build(hosts []*host, updated time.Time) *snapshot {
-	s := &snapshot{hosts: hosts, byID: make(map[string]*host, len(hosts)), updated: updated}
-	for _, h := range hosts {
-		s.byID[h.id] = h
-	}
+func (p *Pool) build(hosts []*host, byID map[string]*host, updated time.Time) *snapshot {
+	s := &snapshot{hosts: hosts, byID: byID, updated: updated}
 	if p.listeners == nil {
 		s.all = &slice{members: hosts}
 		s.slices = []*slice{s.all}
@@ -221,44 +220,74 @@ func sameUpstream(a, b *Upstream) bool {
 func (p *Pool) Update(ups []Upstream) {
 	p.mu.Lock()
 	old := p.snap.Load()
+	p.gen++
+	gen := p.gen
 	hosts := make([]*host, 0, len(ups))
-	seen := make(map[string]*host, len(ups))
+	var fresh map[string]*host // new or revived from draining
 	var buf []byte
+	var st serviceStatus
+	var rotate []*host
 	for i := range ups {
 		u := &ups[i]
 		buf = appendID(buf[:0], u)
-		if _, dup := seen[string(buf)]; dup {
-			continue
+		var h *host
+		if i < len(old.hosts) && old.hosts[i].id == string(buf) {
+			h = old.hosts[i] // a refresh in the same order needs no index lookup
+		} else {
+			h = old.byID[string(buf)]
 		}
-		h := old.byID[string(buf)]
-		if h == nil {
+		switch {
+		case h != nil && h.mark == gen:
+			continue // a duplicate
+		case h != nil:
+			if !sameUpstream(h.cur.Load(), u) {
+				h.setCur(u)
+			}
+		case fresh[string(buf)] != nil:
+			continue
+		default:
 			if h = p.draining[string(buf)]; h != nil {
 				delete(p.draining, h.id)
 				h.setFlags(fDraining, 0)
+				if !sameUpstream(h.cur.Load(), u) {
+					h.setCur(u)
+				}
+			} else {
+				h = newHost(string(buf), u)
 			}
+			if fresh == nil {
+				fresh = make(map[string]*host)
+			}
+			fresh[h.id] = h
 		}
-		if h == nil {
-			h = newHost(string(buf), u)
-		} else if !sameUpstream(h.cur.Load(), u) {
-			h.setCur(u)
-		}
-		seen[h.id] = h
+		h.mark = gen
 		hosts = append(hosts, h)
-	}
-	for _, h := range old.hosts {
-		if seen[h.id] == nil {
-			h.setFlags(fDraining, fDraining)
-			p.draining[h.id] = h
+		if st.service != u.Service || !st.valid {
+			st = p.statusOf(u.Service)
 		}
-	}
-	var rotate []*host
-	for _, h := range hosts {
-		if p.applyStatus(h) {
+		if st.apply(h) {
 			rotate = append(rotate, h)
 		}
 	}
-	s := p.build(hosts, p.now())
-	p.publish(s)
+	var removed []*host
+	for _, h := range old.hosts {
+		if h.mark != gen {
+			h.setFlags(fDraining, fDraining)
+			p.draining[h.id] = h
+			removed = append(removed, h)
+		}
+	}
+	byID := old.byID // the common refresh changes nothing: share the index
+	if len(fresh) > 0 || len(removed) > 0 {
+		byID = maps.Clone(old.byID)
+		for _, h := range removed {
+			delete(byID, h.id)
+		}
+		for id, h := range fresh {
+			byID[id] = h
+		}
+	}
+	p.publish(p.build(hosts, byID, p.now()))
 	p.pruneDraining()
 	p.mu.Unlock()
 	for _, h := range rotate {
@@ -277,26 +306,45 @@ func (p *Pool) pruneDraining() {
 	}
 }
 
-// applyStatus sets h's provider and quota bits from the last status; it
-// reports whether h is a ppr session whose exit IP is errored, to be rotated. The
-// caller holds p.mu.
-func (p *Pool) applyStatus(h *host) (rotate bool) {
+// serviceStatus is the provider's last word on one service.
+type serviceStatus struct {
+	service           int
+	valid             bool
+	errored, inactive map[string]bool
+	quota             bool
+}
+
+// statusOf returns service's status; the caller holds p.mu.
+func (p *Pool) statusOf(service int) serviceStatus {
+	return serviceStatus{service: service, valid: true,
+		errored: p.errored[service], inactive: p.inactive[service], quota: p.quota[service]}
+}
+
+// apply sets h's provider and quota bits from st; it reports whether h is a
+// ppr session whose exit IP is errored, to be rotated.
+func (st *serviceStatus) apply(h *host) (rotate bool) {
 	u := h.cur.Load()
 	var f uint32
-	if p.errored[u.Service][h.addrHost] {
+	if st.errored[h.addrHost] {
 		f |= fProviderError
 	}
-	if p.inactive[u.Service][h.addrHost] {
+	if st.inactive[h.addrHost] {
 		f |= fProviderInactive
 	}
-	if u.Kind == PPR && u.Session != "" && u.ExitIP != "" && p.errored[u.Service][u.ExitIP] {
+	if u.Kind == PPR && u.Session != "" && u.ExitIP != "" && st.errored[u.ExitIP] {
 		f |= fExitErrored
 	}
-	if p.quota[u.Service] {
+	if st.quota {
 		f |= fQuota
 	}
 	h.setFlags(providerBits, f)
 	return f&fExitErrored != 0
+}
+
+// applyStatus is apply with h's service's status; the caller holds p.mu.
+func (p *Pool) applyStatus(h *host) (rotate bool) {
+	st := p.statusOf(h.cur.Load().Service)
+	return st.apply(h)
 }
 
 // SetProviderStatus sets the provider's errored and inactive IPs of a
