@@ -98,6 +98,7 @@ type ServiceState struct {
 type Snapshot struct {
 	Time         time.Time
 	AccountKnown bool           // the service list was fetched at least once
+	ListsUpdated time.Time      // end of the last lists round in which every fetch succeeded
 	Services     []ServiceState // served services, by ID
 	Dropped      []int          // services known but not served (Suspended, Terminated, Cancelled, …)
 	Credit       float64
@@ -467,6 +468,11 @@ func (p *Poller) pollLists(ctx context.Context) error {
 				st.ListsKnown = true
 			}
 		}
+		p.mu.Unlock()
+	}
+	if firstErr == nil {
+		p.mu.Lock()
+		p.snap.ListsUpdated = p.now()
 		p.mu.Unlock()
 	}
 	p.changed()

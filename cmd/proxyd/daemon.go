@@ -474,6 +474,11 @@ func (d *daemon) apply(s agent.Snapshot) {
 		d.metrics.SetServices(ids)
 	}
 	d.saveState(status, quota)
+	// The state's age is that of the data served: a successful refresh
+	// that changed nothing makes it fresh too.
+	if !s.ListsUpdated.IsZero() {
+		d.metrics.SetStateTime(s.ListsUpdated)
+	}
 }
 
 func (d *daemon) saveState(status map[int]savedStatus, quota map[int]bool) {
