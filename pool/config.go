@@ -194,7 +194,7 @@ type Hooks struct {
 
 // Options are the pool's collaborators. Every field may be left zero.
 type Options struct {
-	Now     func() time.Time // clock; default time.Now
+	Now     func() time.Time // clock; default time.Now, read on the hot path only through a copy Run refreshes every 100ms
 	Rand    func() uint64    // random source, safe for concurrent use; default math/rand/v2
 	Rotator Rotator          // nil: ppr sessions are never rotated
 	Prober  Prober           // required when Config.ProbeInterval is set

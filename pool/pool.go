@@ -22,6 +22,7 @@ type Pool struct {
 	log  *slog.Logger
 	now  func() time.Time
 	rand func() uint64
+	tick atomic.Int64 // unix ns, refreshed by Run: the hot path's clock when Options.Now is nil
 
 	snap    atomic.Pointer[snapshot]
 	anyQuot atomic.Bool // some service is in quota: picks make a second pass
@@ -63,9 +64,10 @@ type snapshot struct {
 type slice struct {
 	ListenerSlice
 	members  []*host
-	rr       atomic.Uint64 // round-robin position, also the start of scans
-	eligible atomic.Int64  // members the provider does not exclude: the base of the ejection cap
-	ejected  atomic.Int64  // members out of rotation by ejection
+	rr       atomic.Uint64           // round-robin position, also the start of scans
+	bands    [2]atomic.Pointer[band] // latency strategy: without, with quota upstreams
+	eligible atomic.Int64            // members the provider does not exclude: the base of the ejection cap
+	ejected  atomic.Int64            // members out of rotation by ejection
 }
 
 func (sl *slice) matches(u *Upstream) bool {
@@ -109,9 +111,24 @@ func New(cfg Config, opts Options) (*Pool, error) {
 	if p.rand == nil {
 		p.rand = rand.Uint64
 	}
+	p.tick.Store(p.now().UnixNano())
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	p.snap.Store(p.build(nil, map[string]*host{}, time.Time{}))
 	return p, nil
+}
+
+// tickEvery is how often Run refreshes the hot path's clock.
+const tickEvery = 100 * time.Millisecond
+
+// fastNow is the clock of the hot path (ejection ends, sticky idle times):
+// Options.Now when given, else a time Run refreshes every tickEvery, since
+// reading the system clock costs hundreds of nanoseconds on some virtual
+// machines.
+func (p *Pool) fastNow() int64 {
+	if p.opts.Now != nil {
+		return p.opts.Now().UnixNano()
+	}
+	return p.tick.Load()
 }
 
 func (p *Pool) notifyChanged() {

@@ -13,6 +13,8 @@ func (p *Pool) Run(ctx context.Context) error {
 	defer p.stopRotations()
 	sweep := time.NewTicker(min(max(p.cfg.StickyIdle/4, time.Second), time.Minute))
 	defer sweep.Stop()
+	tick := time.NewTicker(tickEvery)
+	defer tick.Stop()
 	var probe <-chan time.Time
 	if p.cfg.ProbeInterval > 0 {
 		t := time.NewTicker(p.cfg.ProbeInterval)
@@ -23,6 +25,8 @@ func (p *Pool) Run(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return nil
+		case t := <-tick.C:
+			p.tick.Store(t.UnixNano())
 		case <-sweep.C:
 			p.sweep()
 		case <-probe:

@@ -2,6 +2,7 @@ package pool
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
 )
 
@@ -11,7 +12,7 @@ type filter struct {
 	skip  *host    // one more host to leave out
 	quota bool     // whether upstreams of a service in quota may serve
 	now   int64    // unix ns, read from the clock only when needed
-	clock func() time.Time
+	clock func() int64
 }
 
 // eligible reports whether h may take a new connection, without claiming it.
@@ -23,7 +24,7 @@ func (f *filter) eligible(h *host) bool {
 	if until := h.ejectedUntil.Load(); until != 0 {
 		// Ejected, or probing: past the ejection, one trial connection at a time.
 		if f.now == 0 {
-			f.now = f.clock().UnixNano()
+			f.now = f.clock()
 		}
 		if f.now < until || h.trial.Load() {
 			return false
@@ -94,11 +95,10 @@ func pickLeastConn(hs []*host, start uint64, f *filter) int {
 	return best
 }
 
-// pickLatency returns an eligible member whose moving average of dial +
-// handshake time is within (1+tol) × the best one's, taking turns among
-// them by start so that load does not herd onto the fastest. Members not
-// measured yet count as within the band, so they get measured.
-func pickLatency(hs []*host, start uint64, f *filter, tol float64) int {
+// latencyBand returns the eligible members whose moving average of dial +
+// handshake time is within (1+tol) × the best one's. Members not measured
+// yet count as within the band, so that they get measured.
+func latencyBand(hs []*host, f *filter, tol float64) []*host {
 	var best int64 = -1
 	for _, h := range hs {
 		if e := h.ewma.Load(); (best < 0 || e < best) && e > 0 && f.eligible(h) {
@@ -106,30 +106,44 @@ func pickLatency(hs []*host, start uint64, f *filter, tol float64) int {
 		}
 	}
 	limit := int64(float64(best) * (1 + tol))
-	within := func(h *host) bool {
-		e := h.ewma.Load()
-		return (best < 0 || e <= limit) && f.eligible(h)
-	}
-	m := uint64(0)
+	var band []*host
 	for _, h := range hs {
-		if within(h) {
-			m++
+		if e := h.ewma.Load(); (best < 0 || e <= limit) && f.eligible(h) {
+			band = append(band, h)
 		}
 	}
-	if m == 0 {
-		return -1
+	return band
+}
+
+// band is a slice's current latency band for one quota mode. Computing it
+// walks the whole slice, so it is reused for a number of picks or a second,
+// whichever ends first; picks take turns among its members.
+type band struct {
+	hosts      []*host
+	left       atomic.Int64 // picks before a refresh
+	until      int64        // unix ns after which it is refreshed
+	refreshing atomic.Bool
+}
+
+const bandMaxAge = int64(time.Second)
+
+func (p *Pool) band(sl *slice, quota bool) *band {
+	i := 0
+	if quota {
+		i = 1
 	}
-	k, last := start%m, -1
-	for i, h := range hs {
-		if within(h) {
-			if k == 0 {
-				return i
-			}
-			k--
-			last = i
+	b := sl.bands[i].Load()
+	if b != nil {
+		fresh := b.left.Add(-1) >= 0 && p.fastNow() < b.until
+		if fresh || !b.refreshing.CompareAndSwap(false, true) {
+			return b // fresh, or another pick is refreshing it
 		}
 	}
-	return last // fewer within the band than counted: the state moved meanwhile
+	f := filter{quota: quota, clock: p.fastNow}
+	nb := &band{hosts: latencyBand(sl.members, &f, p.cfg.LatencyTolerance), until: p.fastNow() + bandMaxAge}
+	nb.left.Store(int64(max(64, len(sl.members)/8)))
+	sl.bands[i].Store(nb)
+	return nb
 }
 
 // choose runs the strategy over sl and claims the chosen host. Upstreams of
@@ -144,8 +158,8 @@ func (p *Pool) choose(sl *slice, f *filter) *host {
 }
 
 func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
-	hs := sl.members
 	for range 4 { // take fails only when another connection won a trial
+		hs := sl.members
 		var i int
 		switch p.cfg.Strategy {
 		case Random:
@@ -153,7 +167,13 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 		case LeastConn:
 			i = pickLeastConn(hs, sl.rr.Add(1), f)
 		case Latency:
-			i = pickLatency(hs, sl.rr.Add(1), f, p.cfg.LatencyTolerance)
+			hs = p.band(sl, f.quota).hosts
+			if i = pickFirst(hs, sl.rr.Add(1), f); i < 0 {
+				// Nothing of the band can serve this pick (ejected since,
+				// or tried already): the best of the rest.
+				hs = latencyBand(sl.members, f, p.cfg.LatencyTolerance)
+				i = pickFirst(hs, sl.rr.Load(), f)
+			}
 		default:
 			i = pickFirst(hs, sl.rr.Add(1)-1, f)
 		}
@@ -181,7 +201,7 @@ func (p *Pool) Pick(ctx context.Context, req Request) (*Upstream, error) {
 	if req.Key != "" {
 		return p.pickSticky(ctx, sl, req)
 	}
-	f := filter{avoid: req.Avoid, clock: p.now}
+	f := filter{avoid: req.Avoid, clock: p.fastNow}
 	h := p.choose(sl, &f)
 	if h == nil {
 		return nil, ErrNoUpstream

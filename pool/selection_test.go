@@ -2,6 +2,7 @@ package pool
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 )
@@ -82,7 +83,7 @@ func TestStrategies(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			hs := makeHosts(tt.hosts, now)
-			f := filter{clock: clk.Now, quota: tt.quota}
+			f := filter{clock: func() int64 { return clk.Now().UnixNano() }, quota: tt.quota}
 			for _, i := range tt.avoid {
 				f.avoid = append(f.avoid, hs[i].id)
 			}
@@ -93,7 +94,11 @@ func TestStrategies(t *testing.T) {
 			case LeastConn:
 				got = pickLeastConn(hs, tt.start, &f)
 			case Latency:
-				got = pickLatency(hs, tt.start, &f, 0.2)
+				band := latencyBand(hs, &f, 0.2)
+				got = pickFirst(band, tt.start, &f)
+				if got >= 0 {
+					got = slices.Index(hs, band[got])
+				}
 			}
 			if got != tt.want {
 				t.Errorf("got %d, want %d", got, tt.want)

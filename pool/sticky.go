@@ -161,8 +161,8 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 	rotated := false // the key's session just rotated: its new exit IP is worth trying again
 	waited := false
 	for {
-		now := p.now().UnixNano()
-		f := filter{avoid: req.Avoid, clock: p.now, now: now}
+		now := p.fastNow()
+		f := filter{avoid: req.Avoid, clock: p.fastNow, now: now}
 		sh.mu.Lock()
 		e := sh.get(k, now, idle)
 		if e != nil && e.h.flags.Load()&fDraining == 0 && sl.matches(e.h.cur.Load()) {
@@ -189,10 +189,10 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 				rotated = r.ok
 				continue
 			}
-			if fq := (filter{avoid: f.avoid, quota: true, clock: p.now, now: now}); fq.eligible(h) {
+			if fq := (filter{avoid: f.avoid, quota: true, clock: p.fastNow, now: now}); fq.eligible(h) {
 				// Only its service's quota keeps h out: move only if
 				// another service can serve.
-				alt := filter{avoid: req.Avoid, clock: p.now, now: now}
+				alt := filter{avoid: req.Avoid, clock: p.fastNow, now: now}
 				if a := p.chooseOnce(sl, &alt); a != nil {
 					e.h = a
 					sh.mu.Unlock()
@@ -203,7 +203,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 					return h.cur.Load(), nil
 				}
 			}
-			if fa := (filter{quota: true, clock: p.now, now: now}); fa.eligible(h) {
+			if fa := (filter{quota: true, clock: p.fastNow, now: now}); fa.eligible(h) {
 				// Usable, but this connection already tried it.
 				sh.mu.Unlock()
 				return p.pickOnce(sl, req.Avoid, nil)
@@ -227,7 +227,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 
 // pickOnce picks without touching the sticky table.
 func (p *Pool) pickOnce(sl *slice, avoid []string, skip *host) (*Upstream, error) {
-	f := filter{avoid: avoid, skip: skip, clock: p.now}
+	f := filter{avoid: avoid, skip: skip, clock: p.fastNow}
 	h := p.choose(sl, &f)
 	if h == nil {
 		return nil, ErrNoUpstream
