@@ -44,6 +44,15 @@ func (p *destPolicy) check(host string, port uint16) error {
 		return errBadDestination
 	}
 	addr = addr.Unmap()
+	ap := netip.AddrPortFrom(addr, port)
+	p.mu.RLock()
+	for _, o := range p.own {
+		if o == ap {
+			p.mu.RUnlock()
+			return errRefusedDestination // a loop, whatever is allowed
+		}
+	}
+	p.mu.RUnlock()
 	for _, pr := range p.allow {
 		if pr.Contains(addr) {
 			return nil
@@ -53,14 +62,6 @@ func (p *destPolicy) check(host string, port uint16) error {
 		addr.IsPrivate() || addr.IsUnspecified() || addr.IsInterfaceLocalMulticast() ||
 		isSpecialV6(addr) {
 		return errRefusedDestination
-	}
-	ap := netip.AddrPortFrom(addr, port)
-	p.mu.RLock()
-	defer p.mu.RUnlock()
-	for _, o := range p.own {
-		if o == ap {
-			return errRefusedDestination
-		}
 	}
 	return nil
 }

@@ -94,9 +94,6 @@ func (l *Listener) initHTTP() {
 
 func plainError(w http.ResponseWriter, code int, text string) {
 	h := w.Header()
-	for k := range h {
-		delete(h, k)
-	}
 	h.Set("Content-Type", "text/plain; charset=utf-8")
 	h.Set("Content-Length", strconv.Itoa(len(text)))
 	w.WriteHeader(code)
@@ -157,6 +154,9 @@ func (l *Listener) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		l.serveUpgrade(w, r, cc, key, socks5.Addr{Host: host, Port: port})
 		return
 	}
+	// Strip here, not in the RoundTripper: goproxy drops Connection before
+	// we would see which headers it names.
+	stripHop(r.Header, false)
 	ctx := context.WithValue(r.Context(), keyKey, key)
 	l.proxy.ServeHTTP(w, r.WithContext(ctx))
 }

@@ -162,6 +162,7 @@ type replayBody struct {
 	rc       io.ReadCloser
 	read     atomic.Int64
 	inflight atomic.Int32
+	bad      atomic.Bool // reading the client's body failed: the client's fault
 	cur      *bodyAttempt
 }
 
@@ -181,6 +182,9 @@ func (a *bodyAttempt) Read(p []byte) (int, error) {
 	}
 	n, err := rb.rc.Read(p)
 	rb.read.Add(int64(n))
+	if err != nil && err != io.EOF {
+		rb.bad.Store(true)
+	}
 	return n, err
 }
 
@@ -216,8 +220,11 @@ func (b *releaseBody) Close() error {
 
 func errorResponse(req *http.Request, status int) *http.Response {
 	text := textBadGateway
-	if status == http.StatusGatewayTimeout {
+	switch status {
+	case http.StatusGatewayTimeout:
 		text = textTimeout
+	case http.StatusBadRequest:
+		text = textBadRequest
 	}
 	return &http.Response{
 		Status:        strconv.Itoa(status) + " " + http.StatusText(status),
@@ -290,6 +297,9 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 			res = pool.AuthRejected
 		case err == nil:
 			res = pool.Success
+		case rb != nil && rb.bad.Load():
+			res = pool.Canceled // the client's body was broken or cut: no verdict on the upstream
+			status = http.StatusBadRequest
 		case derr != nil:
 			res = derr.result
 		case ctx.Err() != nil:
@@ -313,6 +323,7 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		if dialed {
 			took = dialTook
 		}
+		l.log.Debug("plain request attempt failed", "upstream", up.ID(), "result", res.String(), "err", err)
 		l.pool.Report(up, res, took)
 		l.pool.Release(up)
 		outcome = OutcomeUpstreamError

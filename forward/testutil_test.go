@@ -402,8 +402,8 @@ func (u *httpUpstream) servePlain(c net.Conn, req *http.Request) bool {
 	req.Header.Del("Proxy-Authorization")
 	resp, err := u.tr.RoundTrip(req)
 	if err != nil {
-		_, _ = io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
-		return true
+		_, _ = io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+		return false // the request stream may be broken
 	}
 	defer resp.Body.Close()
 	return resp.Write(c) == nil
