@@ -2,7 +2,6 @@ package agent
 
 import (
 	"bytes"
-	"encoding/csv"
 	"encoding/json"
 	"fmt"
 	"net/netip"
@@ -423,8 +422,8 @@ func recordWithHeader(fields []string, cols map[string]int) (Entry, bool) {
 		}
 		return ""
 	}
-	if len(fields) == 1 && len(cols) > 1 {
-		return parseProxyLine(fields[0]) // a txt line under a csv header
+	if len(fields) == 1 {
+		return parseProxyLine(fields[0]) // a txt line, or the one column of a one-column header
 	}
 	host, port := get("host"), get("port")
 	if host == "" {
@@ -480,27 +479,50 @@ func record(fields []string) (Entry, bool) {
 }
 
 // splitCSV splits one csv line on ',' (or ';' or tab when it has no comma),
-// honouring quotes; fields are trimmed.
+// honouring double quotes ("" inside quotes is a quote); fields are trimmed.
 func splitCSV(line string) []string {
-	r := csv.NewReader(strings.NewReader(line))
-	r.FieldsPerRecord = -1
-	r.LazyQuotes = true
-	r.TrimLeadingSpace = true
+	sep := byte(',')
 	switch {
-	case strings.Contains(line, ","):
-	case strings.Contains(line, ";"):
-		r.Comma = ';'
-	case strings.Contains(line, "\t"):
-		r.Comma = '\t'
+	case strings.IndexByte(line, ',') >= 0:
+	case strings.IndexByte(line, ';') >= 0:
+		sep = ';'
+	case strings.IndexByte(line, '\t') >= 0:
+		sep = '\t'
 	}
-	fields, err := r.Read()
-	if err != nil {
-		return []string{line}
+	var fields []string
+	var b strings.Builder
+	i := 0
+	for {
+		for i < len(line) && (line[i] == ' ' || (line[i] == '\t' && sep != '\t')) {
+			i++
+		}
+		b.Reset()
+		if i < len(line) && line[i] == '"' {
+			i++
+			for i < len(line) {
+				if line[i] == '"' {
+					if i+1 < len(line) && line[i+1] == '"' {
+						b.WriteByte('"')
+						i += 2
+						continue
+					}
+					i++
+					break
+				}
+				b.WriteByte(line[i])
+				i++
+			}
+		}
+		for i < len(line) && line[i] != sep {
+			b.WriteByte(line[i]) // after a closing quote, or an unquoted field
+			i++
+		}
+		fields = append(fields, strings.TrimSpace(b.String()))
+		if i >= len(line) {
+			return fields
+		}
+		i++ // the separator
 	}
-	for i := range fields {
-		fields[i] = strings.TrimSpace(fields[i])
-	}
-	return fields
 }
 
 // schemes that may prefix a txt line.

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -168,5 +169,71 @@ func TestParseIPListKeepsFirstFiveBad(t *testing.T) {
 	l, err := ParseIPList([]byte(b.String()), "txt")
 	if err != nil || len(l.Entries) != 20 || l.Bad != 20 || len(l.BadLines) != MaxBadLines {
 		t.Fatalf("entries %d bad %d badlines %d err %v", len(l.Entries), l.Bad, len(l.BadLines), err)
+	}
+}
+
+func TestParseIPListOneColumnHeader(t *testing.T) {
+	l, err := ParseIPList([]byte("ip\n10.0.0.1:8080\n10.0.0.2:8081@user2:secret2\n"), "csv")
+	if err != nil || !reflect.DeepEqual(l.Entries, []Entry{e1, e2Auth}) || l.Bad != 0 {
+		t.Errorf("entries %+v bad %q err %v", l.Entries, l.BadLines, err)
+	}
+}
+
+func benchmarkList(n int, line func(i int) string, sep string) []byte {
+	var b strings.Builder
+	for i := 0; i < n; i++ {
+		b.WriteString(line(i))
+		b.WriteString(sep)
+	}
+	return []byte(b.String())
+}
+
+func BenchmarkParseIPList(b *testing.B) {
+	const n = 10000
+	for _, bc := range []struct {
+		name, format string
+		body         []byte
+	}{
+		{"txt", "txt", benchmarkList(n, func(i int) string {
+			return fmt.Sprintf("10.%d.%d.%d:8080@user:pass", i>>16&255, i>>8&255, i&255)
+		}, "\r\n")},
+		{"csv", "csv", append([]byte("host,port,login,password\n"), benchmarkList(n, func(i int) string {
+			return fmt.Sprintf("10.%d.%d.%d,8080,user,pass", i>>16&255, i>>8&255, i&255)
+		}, "\n")...)},
+		{"json", "json", []byte("[" + strings.TrimSuffix(string(benchmarkList(n, func(i int) string {
+			return fmt.Sprintf(`{"host":"10.%d.%d.%d","port":"8080","login":"user","password":"pass"}`, i>>16&255, i>>8&255, i&255)
+		}, ",")), ",") + "]")},
+		{"json-lines", "json", benchmarkList(n, func(i int) string {
+			return fmt.Sprintf(`{"host":"10.%d.%d.%d","port":"8080","login":"user","password":"pass"},`, i>>16&255, i>>8&255, i&255)
+		}, "\n")},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			b.SetBytes(int64(len(bc.body)))
+			for b.Loop() {
+				l, err := ParseIPList(bc.body, bc.format)
+				if err != nil || len(l.Entries) != n {
+					b.Fatalf("%d entries, %v", len(l.Entries), err)
+				}
+			}
+		})
+	}
+}
+
+func TestSplitCSV(t *testing.T) {
+	for in, want := range map[string][]string{
+		`a,b , c`:         {"a", "b", "c"},
+		`"a,b",c`:         {"a,b", "c"},
+		`"x""y",z`:        {`x"y`, "z"},
+		`a;b;c`:           {"a", "b", "c"},
+		"a\tb":            {"a", "b"},
+		`10.0.0.1,8080,,`: {"10.0.0.1", "8080", "", ""},
+		``:                {""},
+		`"unterminated,x`: {"unterminated,x"},
+		`p@ss:w,rd`:       {"p@ss:w", "rd"},
+		` "q" , "r" `:     {"q", "r"},
+	} {
+		if got := splitCSV(in); !reflect.DeepEqual(got, want) {
+			t.Errorf("splitCSV(%q) = %q, want %q", in, got, want)
+		}
 	}
 }
