@@ -255,7 +255,7 @@ func (c *Client) Call(ctx context.Context, method, route string, args []string, 
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("User-Agent", c.ua)
 
-	status, respBody, err := c.send(req)
+	status, header, respBody, err := c.send(req)
 	took := time.Since(start)
 	if err != nil {
 		err = fmt.Errorf("calling %s %s: %w", method, route, c.scrubErr(err))
@@ -266,6 +266,9 @@ func (c *Client) Call(ctx context.Context, method, route string, args []string, 
 	if status < 200 || status > 299 {
 		apiErr := decodeError(status, route, c.scrub(respBody))
 		apiErr.Method = method
+		if status == http.StatusTooManyRequests && apiErr.NextAllowed.IsZero() {
+			apiErr.NextAllowed = retryAfter(header.Get("Retry-After"), time.Now())
+		}
 		c.done(method, route, code, took, apiErr)
 		return nil, apiErr
 	}
@@ -273,20 +276,37 @@ func (c *Client) Call(ctx context.Context, method, route string, args []string, 
 	return respBody, nil
 }
 
-func (c *Client) send(req *http.Request) (int, []byte, error) {
+func (c *Client) send(req *http.Request) (int, http.Header, []byte, error) {
 	resp, err := c.http.Do(req)
 	if err != nil {
-		return 0, nil, err
+		return 0, nil, nil, err
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(io.LimitReader(resp.Body, c.maxBody+1))
 	if err != nil {
-		return 0, nil, fmt.Errorf("reading response body: %w", err)
+		return 0, nil, nil, fmt.Errorf("reading response body: %w", err)
 	}
 	if int64(len(b)) > c.maxBody {
-		return 0, nil, fmt.Errorf("%w (%d bytes)", ErrBodyTooLarge, c.maxBody)
+		return 0, nil, nil, fmt.Errorf("%w (%d bytes)", ErrBodyTooLarge, c.maxBody)
 	}
-	return resp.StatusCode, b, nil
+	return resp.StatusCode, resp.Header, b, nil
+}
+
+// retryAfter reads a Retry-After header (seconds or an HTTP date) as a UTC
+// time; zero if absent or unreadable. The provider's 429 message is
+// preferred; this covers a proxy or rate limiter in front of it.
+func retryAfter(v string, now time.Time) time.Time {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return time.Time{}
+	}
+	if secs, err := strconv.Atoi(v); err == nil && secs >= 0 && secs < 1<<31 {
+		return now.Add(time.Duration(secs) * time.Second).UTC()
+	}
+	if t, err := http.ParseTime(v); err == nil {
+		return t.UTC()
+	}
+	return time.Time{}
 }
 
 func (c *Client) done(method, route, code string, took time.Duration, err error) {

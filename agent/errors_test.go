@@ -144,3 +144,31 @@ func TestExcerptCutsAtRuneBoundary(t *testing.T) {
 		t.Errorf("excerpt(short) = %q", got)
 	}
 }
+
+func TestRetryAfter(t *testing.T) {
+	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
+	for in, want := range map[string]time.Time{
+		"120":                           now.Add(2 * time.Minute),
+		"Sat, 21 Nov 2026 10:05:00 GMT": now.Add(5 * time.Minute),
+		"":                              {},
+		"soon":                          {},
+		"-5":                            {},
+	} {
+		if got := retryAfter(in, now); !got.Equal(want) {
+			t.Errorf("retryAfter(%q) = %v, want %v", in, got, want)
+		}
+	}
+	// Through the client: a bare 429 with Retry-After.
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Retry-After", "60")
+		w.WriteHeader(429)
+		w.Write([]byte("Too Many Requests"))
+	}))
+	defer srv.Close()
+	start := time.Now()
+	_, err := newTestClient(t, srv.URL).UpdateService(context.Background(), 101, ServiceUpdate{UpdateList: true})
+	var apiErr *APIError
+	if !errors.Is(err, ErrTooManyAttempts) || !errors.As(err, &apiErr) || apiErr.NextAllowed.Before(start.Add(59*time.Second)) || apiErr.NextAllowed.After(time.Now().Add(61*time.Second)) {
+		t.Errorf("429 with Retry-After: %v, NextAllowed %v", err, apiErr.NextAllowed)
+	}
+}
