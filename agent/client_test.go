@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -365,5 +366,29 @@ func TestTokenNeverLeaks(t *testing.T) {
 		if !strings.Contains(logBuf.String(), RouteCredit) || !strings.Contains(logBuf.String(), "code=401") {
 			t.Errorf("log lacks the requests:\n%s", logBuf.String())
 		}
+	}
+}
+
+// TestTransportErrorScrubbed: a transport whose error quotes the request's
+// Authorization header (as a debugging proxy might) loses the credential
+// but keeps the error chain.
+func TestTransportErrorScrubbed(t *testing.T) {
+	c, err := New(Config{BaseURL: "http://127.0.0.1:1", Token: testToken,
+		Transport: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			return nil, fmt.Errorf("proxy refused %q: %w", r.Header.Get("Authorization"), context.DeadlineExceeded)
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Clients(context.Background())
+	if err == nil || strings.Contains(err.Error(), testToken) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("err = %v", err)
+	}
+	// A decode failure unwraps to its cause.
+	srv, _ := serve(t, 200, `{"credit":"x"}`)
+	_, err = newTestClient(t, srv.URL).Credit(context.Background())
+	var de *DecodeError
+	if !errors.As(err, &de) || de.Route != RouteCredit || errors.Unwrap(de) == nil {
+		t.Errorf("decode err = %v", err)
 	}
 }
