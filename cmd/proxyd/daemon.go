@@ -444,6 +444,7 @@ func (d *daemon) apply(s agent.Snapshot) {
 	if len(known) > 0 || len(dropped) > 0 {
 		d.pool.Update(next)
 		d.metrics.PoolUpdated(time.Now())
+		d.logPoolChange(prev, next)
 	}
 	status := map[int]savedStatus{}
 	quota := map[int]bool{}
@@ -478,6 +479,25 @@ func (d *daemon) apply(s agent.Snapshot) {
 	// that changed nothing makes it fresh too.
 	if !s.ListsUpdated.IsZero() {
 		d.metrics.SetStateTime(s.ListsUpdated)
+	}
+}
+
+// logPoolChange logs a summary line when the upstream set changed.
+func (d *daemon) logPoolChange(prev, next []pool.Upstream) {
+	before := make(map[string]bool, len(prev))
+	for i := range prev {
+		before[prev[i].ID()] = true
+	}
+	added, kept := 0, 0
+	for i := range next {
+		if before[next[i].ID()] {
+			kept++
+		} else {
+			added++
+		}
+	}
+	if removed := len(prev) - kept; added > 0 || removed > 0 {
+		d.log.Info("pool updated", "upstreams", len(next), "added", added, "removed", removed)
 	}
 }
 

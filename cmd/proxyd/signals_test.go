@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -32,8 +33,9 @@ func freePort(t *testing.T) string {
 
 // notifySocket collects sd_notify datagrams.
 type notifySocket struct {
-	conn *net.UnixConn
-	msgs chan string
+	conn  *net.UnixConn
+	msgs  chan string
+	pings atomic.Int64
 }
 
 func newNotifySocket(t *testing.T) (*notifySocket, string) {
@@ -61,19 +63,26 @@ func newNotifySocket(t *testing.T) (*notifySocket, string) {
 	return n, path
 }
 
-// expect waits for the next datagram and checks it starts with want.
+// expect waits for the next datagram other than a watchdog ping and checks
+// it starts with want; watchdog pings are counted.
 func (n *notifySocket) expect(t *testing.T, want string) string {
 	t.Helper()
-	select {
-	case m := <-n.msgs:
-		if !strings.HasPrefix(m, want) {
-			t.Fatalf("sd_notify: got %q, want %q", m, want)
+	timeout := time.After(15 * time.Second)
+	for {
+		select {
+		case m := <-n.msgs:
+			if m == "WATCHDOG=1" && want != m {
+				n.pings.Add(1)
+				continue
+			}
+			if !strings.HasPrefix(m, want) {
+				t.Fatalf("sd_notify: got %q, want %q", m, want)
+			}
+			return m
+		case <-timeout:
+			t.Fatalf("sd_notify: no %q within 15s", want)
 		}
-		return m
-	case <-time.After(15 * time.Second):
-		t.Fatalf("sd_notify: no %q within 15s", want)
 	}
-	return ""
 }
 
 func writeConfig(t *testing.T, path string, w *demoWorld, state string, listeners ...[2]string) {
@@ -128,7 +137,8 @@ func TestDaemonSignals(t *testing.T) {
 	writeConfig(t, cfgPath, w, filepath.Join(dir, "state"), [2]string{"http", httpAddr})
 
 	cmd := exec.Command(bin, "run", "-config", cfgPath)
-	cmd.Env = append(os.Environ(), "PROXYD_API_TOKEN="+providersim.DefaultToken, "NOTIFY_SOCKET="+sock)
+	cmd.Env = append(os.Environ(), "PROXYD_API_TOKEN="+providersim.DefaultToken, "NOTIFY_SOCKET="+sock,
+		"WATCHDOG_USEC=400000") // pings every 200ms while the loops are alive
 	stderr := &lockedWriter{w: &bytes.Buffer{}}
 	cmd.Stderr = stderr
 	if err := cmd.Start(); err != nil {
@@ -147,6 +157,8 @@ func TestDaemonSignals(t *testing.T) {
 		}
 	})
 	notify.expect(t, "READY=1")
+	notify.expect(t, "WATCHDOG=1") // and again: the pings go on
+	notify.expect(t, "WATCHDOG=1")
 
 	through := func(addr string) error {
 		c := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{Proxy: http.ProxyURL(mustURL("http://" + addr)), DisableKeepAlives: true}}
