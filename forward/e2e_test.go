@@ -158,6 +158,13 @@ func TestHTTPChunkedUpload(t *testing.T) {
 // that the same bytes come back, both directions at once.
 func bigTransfer(t *testing.T, c net.Conn, r io.Reader, n int) {
 	t.Helper()
+	transfer(t, c, r, n, true)
+}
+
+// transfer is bigTransfer, optionally without the half-close (Squid ends a
+// whole tunnel on a half-close) and then reading exactly n bytes.
+func transfer(t *testing.T, c net.Conn, r io.Reader, n int, halfClose bool) {
+	t.Helper()
 	data := make([]byte, n)
 	_, _ = rand.Read(data)
 	var wg sync.WaitGroup
@@ -165,11 +172,18 @@ func bigTransfer(t *testing.T, c net.Conn, r io.Reader, n int) {
 	go func() {
 		defer wg.Done()
 		_, _ = c.Write(data)
-		if cw, ok := c.(closeWriter); ok {
+		if cw, ok := c.(closeWriter); ok && halfClose {
 			_ = cw.CloseWrite()
 		}
 	}()
-	got, err := io.ReadAll(r)
+	var got []byte
+	var err error
+	if halfClose {
+		got, err = io.ReadAll(r)
+	} else {
+		got = make([]byte, n)
+		_, err = io.ReadFull(r, got)
+	}
 	wg.Wait()
 	if err != nil {
 		t.Fatalf("reading echo: %v (after %d bytes)", err, len(got))

@@ -1,0 +1,313 @@
+package forward
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/net/proxy"
+
+	"github.com/proxyd/proxyd/pool"
+)
+
+// requireTool skips when path is missing, except under CI=true where a
+// missing tool fails the test.
+func requireTool(t *testing.T, path string) {
+	t.Helper()
+	if _, err := os.Stat(path); err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("%s missing under CI=true: %v", path, err)
+		}
+		t.Skipf("%s not installed", path)
+	}
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// worldDir is a temp dir the daemons' unprivileged users can read and write.
+func worldDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "forward-interop-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	return dir
+}
+
+// startDaemon runs argv in its own process group with output to a log file,
+// waits until addr accepts, and kills and reaps the group at cleanup.
+func startDaemon(t *testing.T, dir, addr string, argv ...string) {
+	t.Helper()
+	logf, err := os.Create(filepath.Join(dir, "stdout.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		_ = logf.Close()
+		t.Fatalf("starting %s: %v", argv[0], err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(3 * time.Second):
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			<-exited
+		}
+		_ = logf.Close()
+	})
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err == nil {
+			_ = c.Close()
+			return
+		}
+		select {
+		case <-exited:
+			out, _ := os.ReadFile(logf.Name())
+			t.Fatalf("%s exited early: %s", argv[0], out)
+		default:
+		}
+		if time.Now().After(deadline) {
+			out, _ := os.ReadFile(logf.Name())
+			t.Fatalf("%s not ready on %s: %s", argv[0], addr, out)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// apr1Hash hashes a password for htpasswd with openssl.
+func apr1Hash(t *testing.T, pass string) string {
+	t.Helper()
+	out, err := exec.Command("openssl", "passwd", "-apr1", pass).Output()
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("openssl passwd: %v", err)
+		}
+		t.Skipf("openssl passwd: %v", err)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// startSquid runs Squid with basic auth on loopback.
+func startSquid(t *testing.T, user, pass string) string {
+	t.Helper()
+	requireTool(t, "/usr/sbin/squid")
+	requireTool(t, "/usr/lib/squid/basic_ncsa_auth")
+	dir := worldDir(t)
+	pw := filepath.Join(dir, "htpasswd")
+	if err := os.WriteFile(pw, []byte(user+":"+apr1Hash(t, pass)+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	conf := fmt.Sprintf(`http_port %[1]s
+pid_filename %[2]s/squid.pid
+cache_log %[2]s/cache.log
+access_log %[2]s/access.log
+coredump_dir %[2]s
+netdb_filename none
+cache deny all
+auth_param basic program /usr/lib/squid/basic_ncsa_auth %[3]s
+auth_param basic realm proxyd-test
+acl authed proxy_auth REQUIRED
+http_access allow authed
+http_access deny all
+shutdown_lifetime 0 seconds
+visible_hostname proxyd-test
+`, addr, dir, pw)
+	cf := filepath.Join(dir, "squid.conf")
+	if err := os.WriteFile(cf, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	startDaemon(t, dir, addr, "/usr/sbin/squid", "-N", "-f", cf)
+	return addr
+}
+
+// startDante runs Dante (method none) on loopback.
+func startDante(t *testing.T) string {
+	t.Helper()
+	requireTool(t, "/usr/sbin/danted")
+	dir := worldDir(t)
+	port := freePort(t)
+	conf := fmt.Sprintf(`logoutput: %[1]s/danted.log
+internal: 127.0.0.1 port = %[2]d
+external: 127.0.0.1
+socksmethod: none
+clientmethod: none
+user.privileged: root
+user.unprivileged: nobody
+client pass {
+  from: 127.0.0.0/8 to: 0.0.0.0/0
+}
+socks pass {
+  from: 127.0.0.0/8 to: 0.0.0.0/0
+}
+`, dir, port)
+	cf := filepath.Join(dir, "danted.conf")
+	if err := os.WriteFile(cf, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	startDaemon(t, dir, addr, "/usr/sbin/danted", "-f", cf, "-N", "1")
+	return addr
+}
+
+// interopSuite drives both listeners through one real upstream.
+func interopSuite(t *testing.T, up *pool.Upstream) {
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	origin, originConns := startOrigin(t, http.HandlerFunc(echoHandler))
+	p := newFakePool(up)
+	tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+
+	c, br, resp := rawConnect(t, tl.addr, echo, "")
+	if resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %d", resp.StatusCode)
+	}
+	transfer(t, c, br, 4<<20, up.Protocol != pool.HTTP)
+	_ = c.Close()
+
+	hc := tl.httpClient(t, "", "")
+	dialed := func() int { tl.obs.mu.Lock(); defer tl.obs.mu.Unlock(); return tl.obs.dialed }
+	before := dialed()
+	for i := range 3 {
+		req, _ := http.NewRequest("POST", fmt.Sprintf("http://%s/n%d", origin, i), strings.NewReader("hello"))
+		if e := getEcho(t, hc, req); e.URI != fmt.Sprintf("/n%d", i) || e.BodyLen != 5 {
+			t.Errorf("origin saw %+v", e)
+		}
+	}
+	// Keep-alive on the upstream hop: one upstream connection for all three.
+	if n := dialed() - before; n != 1 {
+		t.Errorf("%d upstream dials for 3 keep-alive requests", n)
+	}
+	t.Logf("origin connections for 3 requests: %d", originConns.Load())
+
+	stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, p)
+	d, _ := proxy.SOCKS5("tcp", stl.addr, nil, proxy.Direct)
+	sc, err := d.Dial("tcp", echo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	transfer(t, sc, sc, 4<<20, up.Protocol != pool.HTTP)
+	_ = sc.Close()
+	hc.Transport.(*http.Transport).CloseIdleConnections()
+	p.waitBalanced(t)
+	for _, r := range p.Reports() {
+		if r.res != pool.Success {
+			t.Errorf("report %+v", r)
+		}
+	}
+}
+
+func TestSquidUpstream(t *testing.T) {
+	checkLeaks(t)
+	addr := startSquid(t, "squser", "s:cret")
+	up := &pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: addr, Username: "squser", Password: "s:cret"}
+	interopSuite(t, up)
+
+	// Wrong credentials: auth_rejected, and the next upstream serves.
+	bad := &pool.Upstream{Service: 2, Protocol: pool.HTTP, Address: addr, Username: "squser", Password: "nope"}
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	p := newFakePool(bad, up)
+	tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+	c, br, resp := rawConnect(t, tl.addr, echo, "")
+	if resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %d", resp.StatusCode)
+	}
+	transfer(t, c, br, 1000, false)
+	_ = c.Close()
+	p.waitBalanced(t)
+	if r := p.Reports(); len(r) != 2 || r[0].res != pool.AuthRejected || r[1].res != pool.Success {
+		t.Errorf("reports %+v", r)
+	}
+}
+
+func TestDanteUpstream(t *testing.T) {
+	checkLeaks(t)
+	addr := startDante(t)
+	up := &pool.Upstream{Service: 1, Protocol: pool.SOCKS5, Address: addr}
+	interopSuite(t, up)
+
+	// Unreachable destination: Dante's reply code reaches the client, not blamed.
+	p := newFakePool(up)
+	stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, p)
+	code := socksDialCode(t, stl.addr, deadAddr(t))
+	if code < 2 || code > 6 {
+		t.Errorf("reply %#x, want a destination code", code)
+	}
+	p.waitBalanced(t)
+	if r := p.Reports(); len(r) != 1 || r[0].res != pool.DestinationError {
+		t.Errorf("reports %+v", r)
+	}
+}
+
+// TestCurl drives both listeners with curl: plain, CONNECT tunnel, SOCKS5
+// with a host name, with local credentials.
+func TestCurl(t *testing.T) {
+	checkLeaks(t)
+	curl, err := exec.LookPath("curl")
+	if err != nil {
+		requireTool(t, "/usr/bin/curl")
+		curl = "/usr/bin/curl"
+	}
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	_, port, _ := net.SplitHostPort(origin)
+	n := names{"only-upstream.test": "127.0.0.1"}
+	up := newHTTPUpstream(t, "", "", n)
+	sup := newSOCKSUpstream(t, "", "", n)
+	users := []User{{"alice", "pw"}}
+	tl := startListener(t, Config{AllowDestinations: loopbackAllowed, Users: users}, newFakePool(up.upstream(1)))
+	stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed, Users: users}, newFakePool(sup.upstream(2)))
+	run := func(args ...string) string {
+		t.Helper()
+		cmd := exec.Command(curl, append([]string{"-sS", "--max-time", "10", "--noproxy", ""}, args...)...)
+		cmd.Env = []string{"PATH=/usr/bin:/bin"}
+		var out, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &stderr
+		if err := cmd.Run(); err != nil {
+			t.Fatalf("curl %q: %v: %s", args, err, stderr.String())
+		}
+		return out.String()
+	}
+	url := "http://only-upstream.test:" + port + "/curl"
+	for _, args := range [][]string{
+		{"-x", "http://" + tl.addr, "-U", "alice-session-c1:pw", url},
+		{"-p", "-x", "http://" + tl.addr, "-U", "alice:pw", url},
+		{"--data-binary", "@-", "-H", "Transfer-Encoding: chunked", "-x", "http://" + tl.addr, "-U", "alice:pw", url},
+		{"-x", "socks5h://alice-session-c2:pw@" + stl.addr, url},
+	} {
+		out := run(args...)
+		if !strings.Contains(out, `"URI":"/curl"`) {
+			t.Errorf("curl %q: %s", args, out)
+		}
+	}
+	// 407 without credentials.
+	if out := run("-o", "/dev/null", "-w", "%{http_code}", "-x", "http://"+tl.addr, url); out != "407" {
+		t.Errorf("without credentials: %s", out)
+	}
+}
