@@ -50,7 +50,7 @@ func (n *Int) UnmarshalJSON(b []byte) error {
 type Date struct{ time.Time }
 
 // dateLayouts are tried in order; the time of day, if any, is dropped.
-var dateLayouts = [...]string{"2006-01-02", "2006-01-02 15:04:05", time.RFC3339Nano, "2006-01-02T15:04:05"}
+var dateLayouts = [...]string{"2006-01-02", "2006-01-02 15:04:05.999999999", time.RFC3339Nano, "2006-01-02T15:04:05.999999999"}
 
 // UnmarshalJSON implements json.Unmarshaler.
 func (d *Date) UnmarshalJSON(b []byte) error {
