@@ -52,6 +52,8 @@ type Config struct {
 	// waits for the rotation before it uses another upstream for that one
 	// connection. Default 5s.
 	RotateWait time.Duration
+	// RotateTimeout bounds one call of the Rotator. Default 30s.
+	RotateTimeout time.Duration
 	// ProbeInterval is the period of the active probe of ejected upstreams.
 	// Zero (the default) leaves active probing off.
 	ProbeInterval time.Duration
@@ -72,6 +74,7 @@ const (
 	DefaultStickyMax        = 100000
 	DefaultRotateInterval   = 30 * time.Second
 	DefaultRotateWait       = 5 * time.Second
+	DefaultRotateTimeout    = 30 * time.Second
 	DefaultProbeBudget      = 10
 	DefaultProbeTimeout     = 10 * time.Second
 )
@@ -102,6 +105,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("rotate_interval: must not be negative, got %s", c.RotateInterval)
 	case c.RotateWait < 0:
 		return fmt.Errorf("rotate_wait: must not be negative, got %s", c.RotateWait)
+	case c.RotateTimeout < 0:
+		return fmt.Errorf("rotate_timeout: must not be negative, got %s", c.RotateTimeout)
 	case c.ProbeInterval < 0:
 		return fmt.Errorf("probe_interval: must not be negative, got %s", c.ProbeInterval)
 	case c.ProbeBudget < 0:
@@ -147,6 +152,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.RotateWait == 0 {
 		c.RotateWait = DefaultRotateWait
+	}
+	if c.RotateTimeout == 0 {
+		c.RotateTimeout = DefaultRotateTimeout
 	}
 	if c.ProbeBudget == 0 {
 		c.ProbeBudget = DefaultProbeBudget

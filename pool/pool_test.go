@@ -42,7 +42,7 @@ func TestConfigValidate(t *testing.T) {
 	d := Config{}.withDefaults()
 	want := Config{Strategy: RoundRobin, FailureThreshold: 3, EjectBase: 30 * time.Second, EjectMax: 5 * time.Minute,
 		MaxEjectedShare: 0.5, LatencyTolerance: 0.2, StickyIdle: 30 * time.Minute, StickyMax: 100000,
-		RotateInterval: 30 * time.Second, RotateWait: 5 * time.Second, ProbeBudget: 10, ProbeTimeout: 10 * time.Second}
+		RotateInterval: 30 * time.Second, RotateWait: 5 * time.Second, RotateTimeout: 30 * time.Second, ProbeBudget: 10, ProbeTimeout: 10 * time.Second}
 	if d != want {
 		t.Errorf("defaults = %+v, want %+v", d, want)
 	}

@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"context"
 	"errors"
 	"sync/atomic"
 )
@@ -58,7 +59,9 @@ func (p *Pool) rotated(service int, result string) {
 // rotate runs one rotation; Run waits for it.
 func (p *Pool) rotate(h *host, r *rotation, u *Upstream) {
 	defer p.rotWG.Done()
-	exitIP, err := p.opts.Rotator.Rotate(p.ctx, u.Service, u.Server, u.Session)
+	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.RotateTimeout)
+	exitIP, err := p.opts.Rotator.Rotate(ctx, u.Service, u.Server, u.Session)
+	cancel()
 	result := "ok"
 	switch {
 	case err != nil && rateLimited(err):

@@ -167,10 +167,11 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 		e := sh.get(k, now, idle)
 		if e != nil && e.h.flags.Load()&fDraining == 0 && sl.matches(e.h.cur.Load()) {
 			h := e.h
+			fh := f
 			if rotated {
-				f.avoid = nil
+				fh.avoid = nil
 			}
-			if f.eligible(h) && take(h) {
+			if fh.eligible(h) && take(h) {
 				sh.mu.Unlock()
 				return h.cur.Load(), nil
 			}
@@ -189,7 +190,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 				rotated = r.ok
 				continue
 			}
-			if fq := (filter{avoid: f.avoid, quota: true, clock: p.fastNow, now: now}); fq.eligible(h) {
+			if fq := (filter{avoid: fh.avoid, quota: true, clock: p.fastNow, now: now}); fq.eligible(h) {
 				// Only its service's quota keeps h out: move only if
 				// another service can serve.
 				alt := filter{avoid: req.Avoid, clock: p.fastNow, now: now}
