@@ -111,6 +111,7 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 
 	d.pool, err = pool.New(poolConfig(cfg.Pool), pool.Options{
 		Logger: logger,
+		Prober: tcpProber{timeout: 10 * time.Second},
 		Hooks: pool.Hooks{
 			Failure: func(service int, r pool.Result) { d.metrics.UpstreamFailure(service, r.String()) },
 			Ejected: d.metrics.Ejection,

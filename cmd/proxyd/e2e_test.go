@@ -480,3 +480,19 @@ func TestRenderPoolGolden(t *testing.T) {
 	}
 	golden(t, "../pool_table", b.String())
 }
+
+func TestTCPProber(t *testing.T) {
+	w := newWorld(t)
+	p := tcpProber{timeout: 2 * time.Second}
+	ctx := context.Background()
+	if r := p.Probe(ctx, &pool.Upstream{Protocol: pool.HTTP, Address: w.fprHTTP[0].Addr()}); r != pool.Success {
+		t.Errorf("live http upstream: %s", r)
+	}
+	if r := p.Probe(ctx, &pool.Upstream{Protocol: pool.SOCKS5, Address: w.fprSOCKS[0].Addr()}); r != pool.Success {
+		t.Errorf("live socks upstream: %s", r)
+	}
+	w.fprSOCKS[1].Down()
+	if r := p.Probe(ctx, &pool.Upstream{Protocol: pool.SOCKS5, Address: w.fprSOCKS[1].Addr()}); r != pool.DialRefused {
+		t.Errorf("dead upstream: %s", r)
+	}
+}

@@ -1,11 +1,14 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/netip"
 	"strings"
+	"time"
 
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/forward"
@@ -147,4 +150,40 @@ func newLogger(c logConfig, w io.Writer) *slog.Logger {
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
 	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// tcpProber is the active probe of ejected upstreams: a TCP connect and, for
+// SOCKS5, the method greeting. It reaches no destination, so probing costs
+// the provider's pool nothing but a connection.
+type tcpProber struct{ timeout time.Duration }
+
+func (p tcpProber) Probe(ctx context.Context, u *pool.Upstream) pool.Result {
+	ctx, cancel := context.WithTimeout(ctx, p.timeout)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", u.Address)
+	if err != nil {
+		if ctx.Err() != nil {
+			return pool.DialTimeout
+		}
+		return pool.DialRefused
+	}
+	defer c.Close()
+	if u.Protocol != pool.SOCKS5 {
+		return pool.Success
+	}
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	if _, err := c.Write([]byte{5, 2, 0, 2}); err != nil {
+		return pool.HandshakeTimeout
+	}
+	var reply [2]byte
+	if _, err := io.ReadFull(c, reply[:]); err != nil || reply[0] != 5 {
+		return pool.HandshakeTimeout
+	}
+	if reply[1] == 0xff {
+		return pool.AuthRejected
+	}
+	return pool.Success
 }
