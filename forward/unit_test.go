@@ -1,0 +1,250 @@
+package forward
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/pool"
+)
+
+func TestConfigValidate(t *testing.T) {
+	for _, tc := range []struct {
+		cfg  Config
+		want string // substring of the error; "" for valid
+	}{
+		{Config{}, ""},
+		{Config{Protocol: "socks5", Address: "[::1]:1080"}, ""},
+		{Config{Address: "localhost:8080"}, ""},
+		{Config{Protocol: "socks4"}, `protocol: "socks4"`},
+		{Config{Address: "nonsense"}, "address:"},
+		{Config{Address: "0.0.0.0:8080"}, `address: "0.0.0.0:8080" is not loopback; set users or allow`},
+		{Config{Address: ":8080"}, "is not loopback"},
+		{Config{Address: "192.0.2.1:8080", Users: []User{{"a", "b"}}}, ""},
+		{Config{Address: "0.0.0.0:8080", Allow: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}}, ""},
+		{Config{Users: []User{{"", "b"}}}, "users[0].name: empty"},
+		{Config{Users: []User{{"a:b", "b"}}}, "users[0].name: must not contain"},
+		{Config{Users: []User{{"a", "b"}, {"a", "c"}}}, `users[1].name: "a" listed twice`},
+		{Config{Users: []User{{"a", strings.Repeat("x", 256)}}}, "at most 255 bytes"},
+		{Config{DialTimeout: -time.Second}, "dial_timeout: negative"},
+		{Config{MaxConns: -1}, "max_conns: negative"},
+	} {
+		err := tc.cfg.Validate()
+		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("%+v: got %v, want %q", tc.cfg, err, tc.want)
+		}
+	}
+	if _, err := NewListener(Config{Address: "0.0.0.0:1"}, newFakePool(), nil, nil); err == nil {
+		t.Error("NewListener accepted an open non-loopback listener")
+	}
+	d := Config{}.withDefaults()
+	if d.HeaderTimeout != 10*time.Second || d.DialTimeout != 5*time.Second || d.HandshakeTimeout != 10*time.Second ||
+		d.IdleTimeout != 5*time.Minute || d.Retries != 2 || d.MaxConns != 4096 || d.Address != "127.0.0.1:8080" {
+		t.Errorf("defaults %+v", d)
+	}
+}
+
+func TestParseUsername(t *testing.T) {
+	for _, tc := range []struct {
+		in, user, key string
+		ok            bool
+	}{
+		{"", "", "", true},
+		{"alice", "alice", "", true},
+		{"session-abc", "", "abc", true},
+		{"alice-session-abc", "alice", "abc", true},
+		{"alice-session-a-session-b", "", "", false}, // key after the first -session- has '-'
+		{"a-b-session-K_9.x", "a-b", "K_9.x", true},
+		{"session-", "", "", false},
+		{"alice-session-", "", "", false},
+		{"session-" + strings.Repeat("k", 64), "", strings.Repeat("k", 64), true},
+		{"session-" + strings.Repeat("k", 65), "", "", false},
+		{"session-a b", "", "", false},
+		{"session-é", "", "", false},
+	} {
+		user, key, ok := parseUsername(tc.in)
+		if user != tc.user || key != tc.key || ok != tc.ok {
+			t.Errorf("%q: (%q, %q, %v), want (%q, %q, %v)", tc.in, user, key, ok, tc.user, tc.key, tc.ok)
+		}
+	}
+}
+
+func FuzzParseUsername(f *testing.F) {
+	for _, s := range []string{"", "alice", "session-abc", "a-session-b", "session-", "x-session-\x00"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		user, key, ok := parseUsername(s)
+		if !ok {
+			return
+		}
+		if key != "" && !validKey(key) {
+			t.Fatalf("%q: invalid key %q accepted", s, key)
+		}
+		if key == "" && user != s {
+			t.Fatalf("%q: no key but user %q", s, user)
+		}
+		if key != "" && user != "" && user+"-session-"+key != s {
+			t.Fatalf("%q: user %q key %q do not make it up", s, user, key)
+		}
+	})
+}
+
+func FuzzDestCheck(f *testing.F) {
+	for _, s := range []string{"127.0.0.1", "::1", "example.com", "0x7f.1", "::ffff:10.0.0.1", "fe80::1%eth0", "a.localhost"} {
+		f.Add(s)
+	}
+	p := &destPolicy{}
+	f.Fuzz(func(t *testing.T, host string) {
+		err := p.check(host, 80)
+		if err != nil {
+			return
+		}
+		// Anything allowed is a public IP literal or a plain DNS name.
+		if a, perr := netip.ParseAddr(host); perr == nil {
+			a = a.Unmap()
+			if a.IsLoopback() || a.IsPrivate() || a.IsLinkLocalUnicast() || a.IsUnspecified() {
+				t.Fatalf("%q allowed", host)
+			}
+		}
+	})
+}
+
+// TestShutdown: Shutdown stops accepting at once, lets an open tunnel run
+// until ctx ends, then closes both of its ends; Serve returns nil.
+func TestShutdown(t *testing.T) {
+	checkLeaks(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	up := newHTTPUpstream(t, "", "", nil)
+	p := newFakePool(up.upstream(1))
+	l, err := NewListener(Config{AllowDestinations: loopbackAllowed}, p, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- l.Serve(ln) }()
+	addr := ln.Addr().String()
+	c, br, resp := rawConnect(t, addr, echo, "")
+	if resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %d", resp.StatusCode)
+	}
+	// An idle keep-alive client is closed at once by Shutdown.
+	hc, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hc.Close()
+	waitFor(t, 5*time.Second, func() bool { return l.ActiveConns() == 2 }, "two clients")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	shut := make(chan error, 1)
+	start := time.Now()
+	go func() { shut <- l.Shutdown(ctx) }()
+	// Not accepting any more.
+	waitFor(t, 5*time.Second, func() bool {
+		nc, err := net.DialTimeout("tcp", addr, time.Second)
+		if err == nil {
+			_ = nc.Close()
+		}
+		return err != nil
+	}, "listener closed")
+	// The tunnel still works while draining.
+	if _, err := c.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4)
+	if _, err := io.ReadFull(br, buf); err != nil || string(buf) != "ping" {
+		t.Fatalf("tunnel during drain: %q %v", buf, err)
+	}
+	if err := <-shut; !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Shutdown: %v, want deadline exceeded", err)
+	}
+	if d := time.Since(start); d < 250*time.Millisecond || d > 3*time.Second {
+		t.Errorf("Shutdown took %s", d)
+	}
+	// Both ends were closed.
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := br.ReadByte(); err == nil {
+		t.Error("tunnel still open after Shutdown")
+	}
+	if err := <-served; err != nil {
+		t.Errorf("Serve: %v", err)
+	}
+	if n := l.ActiveConns(); n != 0 {
+		t.Errorf("active %d", n)
+	}
+	p.waitBalanced(t)
+}
+
+// TestIdleTunnel: a tunnel idle both ways is closed after IdleTimeout; one
+// where only one direction moves stays open.
+func TestIdleTunnel(t *testing.T) {
+	checkLeaks(t)
+	// The origin sends a byte every 100ms and never reads.
+	ticker := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		for range 8 {
+			if _, err := c.Write([]byte{'t'}); err != nil {
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	})
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	up := newSOCKSUpstream(t, "", "", nil)
+	tl := startListener(t, Config{AllowDestinations: loopbackAllowed, IdleTimeout: 300 * time.Millisecond}, newFakePool(up.upstream(1)))
+
+	c, br, _ := rawConnect(t, tl.addr, ticker, "")
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got := 0
+	for {
+		if _, err := br.ReadByte(); err != nil {
+			break
+		}
+		got++
+	}
+	if got != 8 {
+		t.Errorf("one-way tunnel got %d ticks, want 8 (closed while active?)", got)
+	}
+
+	c2, br2, _ := rawConnect(t, tl.addr, echo, "")
+	start := time.Now()
+	_ = c2.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := br2.ReadByte(); err == nil || time.Since(start) > 2*time.Second || time.Since(start) < 250*time.Millisecond {
+		t.Errorf("idle tunnel: %v after %s", err, time.Since(start))
+	}
+}
+
+// TestUpstreamDialReported: Observer.Dialed is told about every dial, and the
+// client's retries and bytes are counted.
+func TestObserverCounts(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	up := newHTTPUpstream(t, "", "", nil)
+	dead := &pool.Upstream{Service: 7, Protocol: pool.HTTP, Address: deadAddr(t)}
+	tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(dead, up.upstream(1)))
+	hc := tl.httpClient(t, "", "")
+	req, _ := http.NewRequest("GET", "http://"+origin+"/", nil)
+	getEcho(t, hc, req)
+	hc.Transport.(*http.Transport).CloseIdleConnections()
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "closed")
+	cl := tl.obs.Closeds()[0]
+	if cl.o != OutcomeOK || cl.retries != 1 || cl.up < 30 || cl.down < 100 {
+		t.Errorf("closed %+v", cl)
+	}
+	tl.obs.mu.Lock()
+	defer tl.obs.mu.Unlock()
+	if tl.obs.dialed != 1 || tl.obs.opened != 1 {
+		t.Errorf("dialed %d opened %d", tl.obs.dialed, tl.obs.opened)
+	}
+}
