@@ -106,16 +106,9 @@ func (d *daemon) readiness() (bool, string) {
 	default:
 		return false, "starting"
 	}
-	d.mu.Lock()
-	for name, rl := range d.listeners {
-		select {
-		case <-rl.done:
-			d.mu.Unlock()
-			return false, "listener " + name + " is not accepting"
-		default:
-		}
+	if name, stopped := d.stoppedListener(); stopped {
+		return false, "listener " + name + " is not accepting"
 	}
-	d.mu.Unlock()
 	var why []string
 	for _, l := range d.pool.Explain().Listeners {
 		if l.Usable == 0 {

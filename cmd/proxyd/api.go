@@ -154,6 +154,20 @@ func atoiArg(name, s string) (int, error) {
 	return n, nil
 }
 
+// idPositional is positional for commands whose first argument (named
+// names[0]) is a positive number; it returns the arguments and that number.
+func idPositional(args []string, names []string, fs *flag.FlagSet) ([]string, int, error) {
+	p, err := positional(args, names, fs)
+	if err != nil {
+		return nil, 0, err
+	}
+	id, err := atoiArg(names[0], p[0])
+	if err != nil {
+		return nil, 0, err
+	}
+	return p, id, nil
+}
+
 func (c *apiCommand) run(args []string) (int, error) {
 	cmd, rest := args[0], args[1:]
 	if cmd == "sticky" {
@@ -200,11 +214,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 			return t, err
 		})
 	case "product":
-		p, err := positional(rest, []string{"PID"}, nil)
-		if err != nil {
-			return 2, err
-		}
-		pid, err := atoiArg("PID", p[0])
+		p, pid, err := idPositional(rest, []string{"PID"}, nil)
 		if err != nil {
 			return 2, err
 		}
@@ -234,11 +244,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		fs := flag.NewFlagSet("order", flag.ContinueOnError)
 		client := fs.Int("client", 0, "")
 		setip := fs.String("setip", "", "")
-		p, err := positional(rest, []string{"PID"}, fs)
-		if err != nil {
-			return 2, err
-		}
-		pid, err := atoiArg("PID", p[0])
+		p, pid, err := idPositional(rest, []string{"PID"}, fs)
 		if err != nil {
 			return 2, err
 		}
@@ -269,11 +275,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 			return t, err
 		})
 	case "service":
-		p, err := positional(rest, []string{"ID"}, nil)
-		if err != nil {
-			return 2, err
-		}
-		id, err := atoiArg("ID", p[0])
+		p, id, err := idPositional(rest, []string{"ID"}, nil)
 		if err != nil {
 			return 2, err
 		}
@@ -304,11 +306,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		setip := fs.String("setip", "", "")
 		updateList := fs.Bool("update-list", false, "")
 		password := fs.String("password", "", "")
-		p, err := positional(rest, []string{"ID"}, fs)
-		if err != nil {
-			return 2, err
-		}
-		id, err := atoiArg("ID", p[0])
+		p, id, err := idPositional(rest, []string{"ID"}, fs)
 		if err != nil {
 			return 2, err
 		}
@@ -392,11 +390,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		fs := flag.NewFlagSet("iplist", flag.ContinueOnError)
 		typ := fs.String("type", "", "")
 		format := fs.String("format", "", "")
-		p, err := positional(rest, []string{"ID"}, fs)
-		if err != nil {
-			return 2, err
-		}
-		id, err := atoiArg("ID", p[0])
+		p, id, err := idPositional(rest, []string{"ID"}, fs)
 		if err != nil {
 			return 2, err
 		}
@@ -423,11 +417,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		}
 		return 0, nil
 	case "netstatus":
-		p, err := positional(rest, []string{"ID"}, nil)
-		if err != nil {
-			return 2, err
-		}
-		id, err := atoiArg("ID", p[0])
+		p, id, err := idPositional(rest, []string{"ID"}, nil)
 		if err != nil {
 			return 2, err
 		}
@@ -460,11 +450,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		}
 		return 0, t.write(c.io.out)
 	case "stats", "rate":
-		p, err := positional(rest, []string{"ID"}, nil)
-		if err != nil {
-			return 2, err
-		}
-		id, err := atoiArg("ID", p[0])
+		p, id, err := idPositional(rest, []string{"ID"}, nil)
 		if err != nil {
 			return 2, err
 		}
@@ -491,11 +477,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 			return t, err
 		})
 	case "sticky list":
-		p, err := positional(rest, []string{"ID"}, nil)
-		if err != nil {
-			return 2, err
-		}
-		id, err := atoiArg("ID", p[0])
+		p, id, err := idPositional(rest, []string{"ID"}, nil)
 		if err != nil {
 			return 2, err
 		}
@@ -511,11 +493,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		})
 	case "sticky rotate", "sticky ttl", "sticky reset":
 		names := map[string][]string{"sticky rotate": {"ID", "SERVER", "SESSION"}, "sticky ttl": {"ID", "MINUTES"}, "sticky reset": {"ID"}}[cmd]
-		p, err := positional(rest, names, nil)
-		if err != nil {
-			return 2, err
-		}
-		id, err := atoiArg("ID", p[0])
+		p, id, err := idPositional(rest, names, nil)
 		if err != nil {
 			return 2, err
 		}

@@ -386,17 +386,24 @@ func (d *daemon) watchdog(ctx context.Context) {
 	}
 }
 
-func (d *daemon) alive(maxAge time.Duration) (bool, string) {
+// stoppedListener names a listener whose accept loop has ended.
+func (d *daemon) stoppedListener() (string, bool) {
 	d.mu.Lock()
+	defer d.mu.Unlock()
 	for name, rl := range d.listeners {
 		select {
 		case <-rl.done:
-			d.mu.Unlock()
-			return false, "listener " + name + " stopped accepting"
+			return name, true
 		default:
 		}
 	}
-	d.mu.Unlock()
+	return "", false
+}
+
+func (d *daemon) alive(maxAge time.Duration) (bool, string) {
+	if name, stopped := d.stoppedListener(); stopped {
+		return false, "listener " + name + " stopped accepting"
+	}
 	if !d.poller.Alive(maxAge) {
 		return false, "a poll loop is stuck"
 	}
