@@ -15,16 +15,20 @@ type stickyKey struct {
 
 type stickyEntry struct {
 	k          stickyKey
+	hash       uint64
 	h          *host
 	used       int64 // unix ns of the last pick
 	prev, next *stickyEntry
+	chain      *stickyEntry // the next entry with the same hash
 }
 
 // stickyShard is one lock's worth of the table, with its entries in a list
-// from most (head) to least (tail) recently used.
+// from most (head) to least (tail) recently used. Entries are indexed by the
+// key's hash, which the shard choice computes anyway; equal hashes chain.
 type stickyShard struct {
 	mu         sync.Mutex
-	m          map[stickyKey]*stickyEntry
+	m          map[uint64]*stickyEntry
+	n          int
 	head, tail *stickyEntry
 	_          [64]byte // keep shards' locks off each other's cache lines
 }
@@ -47,16 +51,24 @@ func newStickyTable(max int) *stickyTable {
 	t := &stickyTable{seed: maphash.MakeSeed(), shards: make([]stickyShard, n), mask: uint64(n - 1)}
 	t.perShard = (max + n - 1) / n
 	for i := range t.shards {
-		t.shards[i].m = make(map[stickyKey]*stickyEntry)
+		t.shards[i].m = make(map[uint64]*stickyEntry)
 	}
 	return t
 }
 
-func (t *stickyTable) shard(k stickyKey) *stickyShard {
-	if t.mask == 0 {
-		return &t.shards[0]
+// locate returns k's shard and hash.
+func (t *stickyTable) locate(k stickyKey) (*stickyShard, uint64) {
+	h := maphash.String(t.seed, k.key)
+	return &t.shards[h>>32&t.mask], h
+}
+
+func (s *stickyShard) find(k stickyKey, hash uint64) *stickyEntry {
+	for e := s.m[hash]; e != nil; e = e.chain {
+		if e.k == k {
+			return e
+		}
 	}
-	return &t.shards[maphash.String(t.seed, k.key)&t.mask]
+	return nil
 }
 
 func (s *stickyShard) unlink(e *stickyEntry) {
@@ -85,8 +97,8 @@ func (s *stickyShard) pushFront(e *stickyEntry) {
 }
 
 // get returns k's live entry, marked used at now; an idle one is dropped.
-func (s *stickyShard) get(k stickyKey, now, idle int64) *stickyEntry {
-	e := s.m[k]
+func (s *stickyShard) get(k stickyKey, hash uint64, now, idle int64) *stickyEntry {
+	e := s.find(k, hash)
 	if e == nil {
 		return nil
 	}
@@ -94,24 +106,38 @@ func (s *stickyShard) get(k stickyKey, now, idle int64) *stickyEntry {
 		s.remove(e)
 		return nil
 	}
-	e.used = now
-	if s.head != e {
+	if e.used != now && s.head != e { // the hot path's clock ticks: at most one move per tick
 		s.unlink(e)
 		s.pushFront(e)
 	}
+	e.used = now
 	return e
 }
 
 func (s *stickyShard) remove(e *stickyEntry) {
 	s.unlink(e)
-	delete(s.m, e.k)
+	s.n--
+	first := s.m[e.hash]
+	switch {
+	case first == e && e.chain == nil:
+		delete(s.m, e.hash)
+	case first == e:
+		s.m[e.hash] = e.chain
+	default:
+		for first.chain != e {
+			first = first.chain
+		}
+		first.chain = e.chain
+	}
+	e.chain = nil
 }
 
-func (s *stickyShard) add(k stickyKey, h *host, now int64, max int) {
-	e := &stickyEntry{k: k, h: h, used: now}
-	s.m[k] = e
+func (s *stickyShard) add(k stickyKey, hash uint64, h *host, now int64, max int) {
+	e := &stickyEntry{k: k, hash: hash, h: h, used: now, chain: s.m[hash]}
+	s.m[hash] = e
+	s.n++
 	s.pushFront(e)
-	for len(s.m) > max {
+	for s.n > max {
 		s.remove(s.tail)
 	}
 }
@@ -130,7 +156,7 @@ func (t *stickyTable) len() int {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		n += len(s.m)
+		n += s.n
 		s.mu.Unlock()
 	}
 	return n
@@ -139,10 +165,10 @@ func (t *stickyTable) len() int {
 // lookup returns the host k is assigned to, or nil; for tests and Explain.
 func (t *stickyTable) lookup(listener, key string) *host {
 	k := stickyKey{listener, key}
-	s := t.shard(k)
+	s, hash := t.locate(k)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if e := s.m[k]; e != nil {
+	if e := s.find(k, hash); e != nil {
 		return e.h
 	}
 	return nil
@@ -156,7 +182,7 @@ func (t *stickyTable) lookup(listener, key string) *host {
 // also uses another one for this connection only.
 func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstream, error) {
 	k := stickyKey{req.Listener, req.Key}
-	sh := p.sticky.shard(k)
+	sh, hash := p.sticky.locate(k)
 	idle := int64(p.cfg.StickyIdle)
 	rotated := false // the key's session just rotated: its new exit IP is worth trying again
 	waited := false
@@ -164,7 +190,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 		now := p.fastNow()
 		f := filter{avoid: req.Avoid, clock: p.fastNow, now: now}
 		sh.mu.Lock()
-		e := sh.get(k, now, idle)
+		e := sh.get(k, hash, now, idle)
 		if e != nil && e.h.flags.Load()&fDraining == 0 && sl.matches(e.h.cur.Load()) {
 			h := e.h
 			fh := f
@@ -219,7 +245,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 		if e != nil {
 			e.h = h
 		} else {
-			sh.add(k, h, now, p.sticky.perShard)
+			sh.add(k, hash, h, now, p.sticky.perShard)
 		}
 		sh.mu.Unlock()
 		return h.cur.Load(), nil

@@ -176,3 +176,34 @@ func TestStickyTableShards(t *testing.T) {
 		}
 	}
 }
+
+func TestStickyShardHashCollisions(t *testing.T) {
+	s := &stickyShard{m: map[uint64]*stickyEntry{}}
+	hs := makeHosts(make([]hostSpec, 4), 0)
+	keys := []stickyKey{{"a", "k"}, {"b", "k"}, {"c", "k"}, {"a", "other"}}
+	for i, k := range keys {
+		hash := uint64(7)
+		if i == 3 {
+			hash = 8
+		}
+		s.add(k, hash, hs[i], int64(i+1), 10)
+	}
+	for i, k := range keys[:3] {
+		if e := s.get(k, 7, 10, 100); e == nil || e.h != hs[i] {
+			t.Fatalf("key %v: %v", k, e)
+		}
+	}
+	s.remove(s.find(keys[1], 7)) // the middle of the chain
+	if s.find(keys[1], 7) != nil || s.find(keys[0], 7) == nil || s.find(keys[2], 7) == nil || s.n != 3 {
+		t.Errorf("after removing the middle: n=%d", s.n)
+	}
+	s.remove(s.find(keys[2], 7)) // the head of the chain (added last)
+	s.remove(s.find(keys[0], 7))
+	if len(s.m) != 1 || s.n != 1 || s.head != s.tail || s.head.k != keys[3] {
+		t.Errorf("after removing all of the chain: %d hashes, n=%d", len(s.m), s.n)
+	}
+	// Idle entries go on lookup.
+	if s.get(keys[3], 8, 1000, 100) != nil || s.n != 0 || s.head != nil {
+		t.Errorf("idle entry kept")
+	}
+}
