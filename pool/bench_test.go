@@ -215,3 +215,17 @@ func heap() int64 {
 	runtime.ReadMemStats(&m)
 	return int64(m.HeapAlloc)
 }
+
+// BenchmarkExplain is what a /pool request or a metrics scrape costs.
+func BenchmarkExplain(b *testing.B) {
+	for _, n := range benchSizes {
+		b.Run(strconv.Itoa(n), func(b *testing.B) {
+			p, _ := benchPool(b, RoundRobin, n)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				_ = p.Explain()
+			}
+		})
+	}
+}

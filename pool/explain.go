@@ -55,6 +55,35 @@ func (p *Pool) Explain() Explanation {
 	now := p.now()
 	ns := now.UnixNano()
 	x := Explanation{Updated: s.updated.UTC(), Upstreams: make([]UpstreamExplanation, 0, len(hosts))}
+	x.Listeners = p.listenersOf(s, ns)
+	slices.SortFunc(hosts, func(a, b *host) int { return strings.Compare(a.id, b.id) })
+	for _, h := range hosts {
+		u := h.cur.Load()
+		st, reason := p.state(h, ns)
+		ue := UpstreamExplanation{
+			ID: h.id, Service: u.Service, Kind: u.Kind, Protocol: u.Protocol, Address: u.Address,
+			Server: u.Server, Session: u.Session, ExitIP: u.ExitIP, State: st, Reason: reason,
+			Failures: h.failures.Load(), ConsecutiveFailures: h.consec.Load(),
+			Ejections: h.ejections.Load(), InFlight: h.inFlight.Load(),
+		}
+		if until := h.ejectedUntil.Load(); until != 0 && st == Ejected {
+			t := time.Unix(0, until).UTC()
+			ue.EjectedUntil = &t
+		}
+		x.Upstreams = append(x.Upstreams, ue)
+	}
+	return x
+}
+
+// Listeners returns the listener slices of Explain alone: usable and total
+// counts and the panic flag, without walking the upstreams' details or
+// sorting them; for /readyz and metrics.
+func (p *Pool) Listeners() []ListenerExplanation {
+	return p.listenersOf(p.snap.Load(), p.now().UnixNano())
+}
+
+func (p *Pool) listenersOf(s *snapshot, ns int64) []ListenerExplanation {
+	var out []ListenerExplanation
 	for _, sl := range s.slices {
 		if sl == s.all {
 			continue
@@ -74,23 +103,7 @@ func (p *Pool) Explain() Explanation {
 		if le.Usable == 0 {
 			le.Usable = quota // quota upstreams serve when nothing else can
 		}
-		x.Listeners = append(x.Listeners, le)
+		out = append(out, le)
 	}
-	slices.SortFunc(hosts, func(a, b *host) int { return strings.Compare(a.id, b.id) })
-	for _, h := range hosts {
-		u := h.cur.Load()
-		st, reason := p.state(h, ns)
-		ue := UpstreamExplanation{
-			ID: h.id, Service: u.Service, Kind: u.Kind, Protocol: u.Protocol, Address: u.Address,
-			Server: u.Server, Session: u.Session, ExitIP: u.ExitIP, State: st, Reason: reason,
-			Failures: h.failures.Load(), ConsecutiveFailures: h.consec.Load(),
-			Ejections: h.ejections.Load(), InFlight: h.inFlight.Load(),
-		}
-		if until := h.ejectedUntil.Load(); until != 0 && st == Ejected {
-			t := time.Unix(0, until).UTC()
-			ue.EjectedUntil = &t
-		}
-		x.Upstreams = append(x.Upstreams, ue)
-	}
-	return x
+	return out
 }

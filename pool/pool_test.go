@@ -313,6 +313,9 @@ func TestExplainHoldsNoPassword(t *testing.T) {
 	if len(x.Listeners) != 2 || x.Listeners[0].Name != "b" || x.Listeners[1].Total != 2 {
 		t.Errorf("listeners = %+v", x.Listeners)
 	}
+	if l := p.Listeners(); len(l) != 2 || l[0] != x.Listeners[0] || l[1] != x.Listeners[1] {
+		t.Errorf("Listeners() = %+v, Explain has %+v", l, x.Listeners)
+	}
 	if !x.Updated.Equal(newClock().Now()) {
 		t.Errorf("updated = %v", x.Updated)
 	}
