@@ -16,6 +16,7 @@ import (
 
 	"github.com/elazarl/goproxy"
 	"github.com/proxyd/proxyd/forward/socks5"
+	"github.com/proxyd/proxyd/pool"
 )
 
 type ctxKey int
@@ -190,7 +191,6 @@ func (l *Listener) serveConnect(w http.ResponseWriter, r *http.Request, cc *clie
 		return
 	}
 	cc.hijacked.Store(true)
-	defer conn.Close()
 	var pending []byte
 	if n := brw.Reader.Buffered(); n > 0 {
 		b, _ := brw.Reader.Peek(n)
@@ -202,43 +202,57 @@ func (l *Listener) serveConnect(w http.ResponseWriter, r *http.Request, cc *clie
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
 		writeRawError(conn, fail.httpStatus())
+		_ = conn.Close()
 		return
 	}
-	defer l.pool.Release(up)
-	if !l.trackUpstream(upc) {
-		cc.setOutcome(OutcomeClientError)
-		return
-	}
-	defer l.untrackUpstream(upc)
 	if _, err := io.WriteString(conn, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
-		_ = upc.Close()
 		cc.setOutcome(OutcomeClientError)
+		l.abandon(cc, upc, up)
 		return
 	}
 	_ = conn.SetDeadline(time.Time{})
 	cc.setOutcome(OutcomeOK)
-	l.startRelay(cc, upc, pending)
+	l.startRelay(cc, upc, up, pending)
 }
 
-// startRelay moves bytes already read on either side, then relays.
-func (l *Listener) startRelay(cc *clientConn, upc net.Conn, pending []byte) {
+// abandon undoes a tunnel that will not be relayed.
+func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream) {
+	_ = upc.Close()
+	l.pool.Release(up)
+	_ = cc.Close()
+}
+
+// startRelay takes over a set-up tunnel: it moves the bytes already read on
+// either side, then relays in two goroutines the listener owns, and the last
+// of them to end closes both conns, releases the upstream and reports the
+// connection. The caller's goroutine returns at once, so that an idle tunnel
+// holds no handler stack or server buffers.
+func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, pending []byte) {
+	if !l.trackUpstream(upc) {
+		cc.setOutcome(OutcomeClientError)
+		l.abandon(cc, upc, up)
+		return
+	}
+	done := func() {
+		l.untrackUpstream(upc)
+		l.abandon(cc, upc, up)
+	}
+	raw := upc
 	if pc, ok := upc.(*prefixConn); ok {
 		if _, err := cc.Write(pc.prefix); err != nil {
-			_ = upc.Close()
+			done()
 			return
 		}
-		upc = pc.Conn
+		raw = pc.Conn
 	}
 	if len(pending) > 0 {
 		// Already counted when the server read them from the client.
-		if _, err := upc.Write(pending); err != nil {
-			_ = upc.Close()
+		if _, err := raw.Write(pending); err != nil {
+			done()
 			return
 		}
 	}
-	up, down := l.relay(cc.Conn, upc)
-	cc.up.Add(up)
-	cc.down.Add(down)
+	l.relay(cc, raw, done)
 }
 
 func writeRawError(w io.Writer, status int) {
@@ -338,36 +352,36 @@ func (l *Listener) serveUpgrade(w http.ResponseWriter, r *http.Request, cc *clie
 		plainError(w, status, text)
 		return
 	}
-	defer l.pool.Release(up)
-	if !l.trackUpstream(upc) {
-		cc.setOutcome(OutcomeClientError)
-		return
+	fail2 := func(o Outcome) {
+		_ = upc.Close()
+		l.pool.Release(up)
+		cc.setOutcome(o)
 	}
-	defer l.untrackUpstream(upc)
-
 	out := r.Clone(r.Context())
 	out.RequestURI = ""
 	stripHop(out.Header, true)
 	_ = upc.SetDeadline(time.Now().Add(l.cfg.HandshakeTimeout))
+	stop := context.AfterFunc(r.Context(), func() { _ = upc.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
 	if err := out.Write(upc); err != nil {
-		_ = upc.Close()
-		cc.setOutcome(OutcomeUpstreamError)
+		fail2(OutcomeUpstreamError)
 		plainError(w, http.StatusBadGateway, textBadGateway)
 		return
 	}
 	br := bufio.NewReader(upc)
 	resp, err := http.ReadResponse(br, out)
 	if err != nil {
-		_ = upc.Close()
-		cc.setOutcome(OutcomeUpstreamError)
+		fail2(OutcomeUpstreamError)
 		plainError(w, http.StatusBadGateway, textBadGateway)
+		return
+	}
+	if !stop() {
+		fail2(OutcomeClientError)
 		return
 	}
 	_ = upc.SetDeadline(time.Time{})
 	if resp.StatusCode != http.StatusSwitchingProtocols {
 		// No upgrade: pass the answer on and close this origin connection.
-		defer upc.Close()
-		defer resp.Body.Close()
 		stripHop(resp.Header, false)
 		h := w.Header()
 		for k, v := range resp.Header {
@@ -375,17 +389,16 @@ func (l *Listener) serveUpgrade(w http.ResponseWriter, r *http.Request, cc *clie
 		}
 		w.WriteHeader(resp.StatusCode)
 		_, _ = io.Copy(w, resp.Body)
-		cc.setOutcome(OutcomeOK)
+		_ = resp.Body.Close()
+		fail2(OutcomeOK)
 		return
 	}
 	conn, brw, err := http.NewResponseController(w).Hijack()
 	if err != nil {
-		_ = upc.Close()
-		cc.setOutcome(OutcomeClientError)
+		fail2(OutcomeClientError)
 		return
 	}
 	cc.hijacked.Store(true)
-	defer conn.Close()
 	var pending []byte
 	if n := brw.Reader.Buffered(); n > 0 {
 		b, _ := brw.Reader.Peek(n)
@@ -394,8 +407,8 @@ func (l *Listener) serveUpgrade(w http.ResponseWriter, r *http.Request, cc *clie
 	stripHop(resp.Header, true)
 	resp.Body = nil
 	if err := resp.Write(conn); err != nil {
-		_ = upc.Close()
 		cc.setOutcome(OutcomeClientError)
+		l.abandon(cc, upc, up)
 		return
 	}
 	if n := br.Buffered(); n > 0 {
@@ -403,5 +416,5 @@ func (l *Listener) serveUpgrade(w http.ResponseWriter, r *http.Request, cc *clie
 		upc = &prefixConn{Conn: upc, prefix: append([]byte(nil), b...)}
 	}
 	cc.setOutcome(OutcomeOK)
-	l.startRelay(cc, upc, pending)
+	l.startRelay(cc, upc, up, pending)
 }

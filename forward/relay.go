@@ -18,33 +18,39 @@ var relayBufs = sync.Pool{New: func() any { b := make([]byte, relayBufSize); ret
 
 // tunnel relays bytes between a client and an upstream connection.
 type tunnel struct {
-	idle     time.Duration
-	lastSeen atomic.Int64 // unix nanoseconds of the last byte moved either way
-	once     sync.Once
-	a, b     net.Conn
+	idle      time.Duration
+	lastSeen  atomic.Int64 // unix nanoseconds of the last byte moved either way
+	once      sync.Once
+	a, b      net.Conn
+	up, down  int64        // bytes each way, written by their pump
+	remaining atomic.Int32 // pumps still running
 }
 
-// relay copies in both directions until both are done, an error occurs or
-// the tunnel is idle for l.cfg.IdleTimeout; then it closes both conns. up and
-// down are the bytes client→upstream and upstream→client. One direction runs
-// in the calling goroutine, the other in a goroutine the listener owns.
-func (l *Listener) relay(client, upstream net.Conn) (up, down int64) {
-	t := &tunnel{idle: l.cfg.IdleTimeout, a: client, b: upstream}
+// relay copies between the client and the upstream in two goroutines the
+// listener owns, until both directions are done, an error occurs or the
+// tunnel is idle for IdleTimeout. The last pump to end closes both conns,
+// adds the bytes to cc and calls done.
+func (l *Listener) relay(cc *clientConn, upstream net.Conn, done func()) {
+	t := &tunnel{idle: l.cfg.IdleTimeout, a: cc.Conn, b: upstream}
 	t.lastSeen.Store(time.Now().UnixNano())
-	var wg sync.WaitGroup
-	wg.Add(1)
-	if !l.spawn(func() {
-		defer wg.Done()
-		down = t.pump(client, upstream)
-	}) {
-		wg.Done()
-		t.closeBoth()
-		return 0, 0
+	t.remaining.Store(2)
+	finish := func() {
+		if t.remaining.Add(-1) == 0 {
+			t.closeBoth()
+			cc.up.Add(t.up)
+			cc.down.Add(t.down)
+			done()
+		}
 	}
-	up = t.pump(upstream, client)
-	wg.Wait()
-	t.closeBoth()
-	return up, down
+	if !l.spawn(func() { t.up = t.pump(upstream, cc.Conn); finish() }) {
+		t.closeBoth()
+		done()
+		return
+	}
+	if !l.spawn(func() { t.down = t.pump(cc.Conn, upstream); finish() }) {
+		t.closeBoth() // the running pump ends and finishes
+		finish()
+	}
 }
 
 func (t *tunnel) closeBoth() {

@@ -32,7 +32,12 @@ func (l *Listener) serveSOCKS(al *acceptor) error {
 }
 
 func (l *Listener) serveSOCKSConn(cc *clientConn) {
-	defer cc.Close()
+	handedOff := false
+	defer func() {
+		if !handedOff {
+			_ = cc.Close()
+		}
+	}()
 	_ = cc.SetDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	var key string
 	scfg := socks5.ServerConfig{
@@ -74,20 +79,15 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 		_ = socks5.WriteReply(cc, fail.socksReply(), socks5.Addr{})
 		return
 	}
-	defer l.pool.Release(up)
-	if !l.trackUpstream(upc) {
-		cc.setOutcome(OutcomeClientError)
-		return
-	}
-	defer l.untrackUpstream(upc)
+	handedOff = true
 	if err := socks5.WriteReply(cc, socks5.ReplySucceeded, bindAddr(upc)); err != nil {
-		_ = upc.Close()
 		cc.setOutcome(OutcomeClientError)
+		l.abandon(cc, upc, up)
 		return
 	}
 	_ = cc.SetDeadline(time.Time{})
 	cc.setOutcome(OutcomeOK)
-	l.startRelay(cc, upc, nil)
+	l.startRelay(cc, upc, up, nil)
 }
 
 // bindAddr is the address reported to the client: our side of the upstream
