@@ -122,7 +122,8 @@ type Poller struct {
 	pending  map[string]int // list key → size of an unconfirmed small list
 	lastGood map[string]int // list key → size of the last list swapped in
 
-	beats [numLoops]atomic.Int64 // unix nanos of each loop's last heartbeat
+	beats  [numLoops]atomic.Int64 // unix nanos of each loop's last heartbeat
+	rounds [numLoops]atomic.Int64 // rounds completed, successful or not
 }
 
 // NewPoller returns a Poller; onChange may be nil.
@@ -226,6 +227,9 @@ func (p *Poller) sleep(ctx context.Context, l Loop, d time.Duration) bool {
 
 func (p *Poller) beat(l Loop) { p.beats[l].Store(p.now().UnixNano()) }
 
+// Rounds is how many rounds of loop l have completed.
+func (p *Poller) Rounds(l Loop) int64 { return p.rounds[l].Load() }
+
 // Alive reports whether every loop beat within maxAge: a heartbeat of the
 // loop itself, not a successful poll, so an API outage does not count.
 func (p *Poller) Alive(maxAge time.Duration) bool {
@@ -278,6 +282,7 @@ func (p *Poller) backoff(interval time.Duration, n int) time.Duration {
 // PollOnce runs one round of loop l.
 func (p *Poller) PollOnce(ctx context.Context, l Loop) error {
 	defer p.beat(l)
+	defer p.rounds[l%numLoops].Add(1)
 	switch l {
 	case LoopAccount:
 		return p.pollAccount(ctx)

@@ -245,6 +245,14 @@ func cmdDemo(ctx context.Context, args []string, io stdio) int {
 		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)
 		return 1
 	}
+	// Print the instructions once they work: when the first polls filled
+	// the pool.
+	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); {
+		if ok, _ := d.readiness(); ok {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	var fwg sync.WaitGroup
 	if *faultEvery > 0 {
 		fwg.Add(1)

@@ -143,6 +143,16 @@ func (e *e2e) poolState() pool.Explanation {
 
 func (e *e2e) waitReady() {
 	e.t.Helper()
+	// The loops' first rounds must be over, so that a test's own PollOnce
+	// is not overtaken by an older answer.
+	waitFor(e.t, "the first poll of every loop", 10*time.Second, func() bool {
+		for l := agent.LoopAccount; l <= agent.LoopUsage; l++ {
+			if e.d.poller.Rounds(l) == 0 {
+				return false
+			}
+		}
+		return true
+	})
 	waitFor(e.t, "/readyz 200", 10*time.Second, func() bool { code, _ := e.admin("/readyz"); return code == 200 })
 }
 
