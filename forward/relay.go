@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // relayBufSize is the copy buffer taken from the pool while a direction
@@ -64,27 +66,46 @@ type closeWriter interface{ CloseWrite() error }
 
 // pump copies src to dst. On EOF it passes the half-close on; on any other
 // error it closes both ends so that the other direction stops too.
+//
+// While nothing is queued on src it parks on src's read readiness, holding
+// neither a buffer nor a splice pipe. When bytes are queued and both ends
+// are TCP, it splices exactly what is queued (the kernel moves it, no copy
+// through user space, and the call cannot block on an empty source);
+// otherwise it copies through a pooled buffer until src runs dry.
 func (t *tunnel) pump(dst, src net.Conn) int64 {
 	var rc syscall.RawConn
 	if sc, ok := src.(syscall.Conn); ok {
 		rc, _ = sc.SyscallConn()
 	}
-	var n int64
-	var peek [1]byte
-	lastDeadline := time.Time{}
+	dtcp, _ := dst.(*net.TCPConn)
+	_, stcp := src.(*net.TCPConn)
+	canSplice := rc != nil && dtcp != nil && stcp
+	var (
+		n            int64
+		peek         [1]byte
+		avail        int
+		lr           = &io.LimitedReader{R: src}
+		lastDeadline time.Time
+	)
+	ready := func(fd uintptr) bool {
+		if canSplice {
+			if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil && v > 0 {
+				avail = v
+				return true
+			}
+		}
+		_, _, err := syscall.Recvfrom(int(fd), peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		return !errors.Is(err, syscall.EAGAIN)
+	}
 	for {
-		// Park on readability without holding a buffer.
+		avail = 0
 		if rc != nil {
 			now := time.Now()
 			if now.Sub(lastDeadline) > time.Second {
 				_ = src.SetReadDeadline(now.Add(t.idle))
 				lastDeadline = now
 			}
-			err := rc.Read(func(fd uintptr) bool {
-				_, _, err := syscall.Recvfrom(int(fd), peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-				return !errors.Is(err, syscall.EAGAIN)
-			})
-			if err != nil {
+			if err := rc.Read(ready); err != nil {
 				if t.stillActive(src, err) {
 					lastDeadline = time.Time{}
 					continue
@@ -93,29 +114,18 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 				return n
 			}
 		}
-		bp := relayBufs.Get().(*[]byte)
-		buf := *bp
 		var err error
-		for {
-			var r int
-			if rc == nil {
-				_ = src.SetReadDeadline(time.Now().Add(t.idle))
-			}
-			r, err = src.Read(buf)
-			if r > 0 {
+		if avail > 0 {
+			lr.N = int64(avail)
+			var w int64
+			w, err = dtcp.ReadFrom(lr)
+			n += w
+			if w > 0 {
 				t.lastSeen.Store(time.Now().UnixNano())
-				w, werr := dst.Write(buf[:r])
-				n += int64(w)
-				if werr != nil {
-					err = werr
-					break
-				}
 			}
-			if err != nil || r < len(buf) || rc == nil {
-				break
-			}
+		} else {
+			err = t.copyBuffered(dst, src, rc == nil, &n)
 		}
-		relayBufs.Put(bp)
 		if err == nil {
 			continue
 		}
@@ -133,6 +143,31 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 		}
 		t.closeBoth()
 		return n
+	}
+}
+
+// copyBuffered copies through a pooled buffer while reads fill it (or once
+// when src cannot be parked on), returning src's error or dst's.
+func (t *tunnel) copyBuffered(dst, src net.Conn, noPark bool, n *int64) error {
+	bp := relayBufs.Get().(*[]byte)
+	defer relayBufs.Put(bp)
+	buf := *bp
+	for {
+		if noPark {
+			_ = src.SetReadDeadline(time.Now().Add(t.idle))
+		}
+		r, err := src.Read(buf)
+		if r > 0 {
+			t.lastSeen.Store(time.Now().UnixNano())
+			w, werr := dst.Write(buf[:r])
+			*n += int64(w)
+			if werr != nil {
+				return werr
+			}
+		}
+		if err != nil || r < len(buf) || noPark {
+			return err
+		}
 	}
 }
 

@@ -171,7 +171,10 @@ type bodyAttempt struct {
 	dead atomic.Bool
 }
 
-var errAttemptOver = errors.New("request attempt over")
+var (
+	errAttemptOver = errors.New("request attempt over")
+	errHeadTimeout = errors.New("no response head in time")
+)
 
 func (a *bodyAttempt) Read(p []byte) (int, error) {
 	rb := a.rb
@@ -266,18 +269,29 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		if attempt > 0 && time.Since(start) >= l.cfg.RetryBudget {
 			break
 		}
+		var body io.ReadCloser
+		if rb != nil {
+			if body = rb.next(); body == nil {
+				break // part of the body went to the failed attempt
+			}
+		}
 		up, err := l.pool.Pick(ctx, preq)
 		if err != nil || up == nil {
 			break
 		}
 		info := &attemptInfo{}
-		out := req.WithContext(context.WithValue(ctx, attemptKey, info))
-		if rb != nil {
-			body := rb.next()
-			if body == nil {
-				l.pool.Release(up)
-				break
-			}
+		// Wait for the answer's head up to ResponseTimeout, but while another
+		// attempt could follow (a request without body), only as long as the
+		// retry budget lasts: an upstream that accepts and never answers
+		// must not hold the client past the budget.
+		headWait := l.cfg.ResponseTimeout
+		if rb == nil && attempt < l.cfg.Retries {
+			headWait = min(headWait, max(l.cfg.RetryBudget-time.Since(start), time.Millisecond))
+		}
+		actx, cancelAttempt := context.WithCancelCause(context.WithValue(ctx, attemptKey, info))
+		timer := time.AfterFunc(headWait, func() { cancelAttempt(errHeadTimeout) })
+		out := req.WithContext(actx)
+		if body != nil {
 			out.Body = body
 		}
 		out.Header = req.Header.Clone()
@@ -289,6 +303,10 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		t0 := time.Now()
 		resp, err := l.transports.get(up).RoundTrip(out)
 		took := time.Since(t0)
+		if !timer.Stop() && err == nil {
+			_ = resp.Body.Close() // the head came just as the wait ended
+			resp, err = nil, errHeadTimeout
+		}
 		derr, dialed, dialTook := info.get()
 		var res pool.Result
 		switch {
@@ -314,7 +332,10 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 			}
 			l.pool.Report(up, pool.Success, took)
 			stripHop(resp.Header, false)
-			resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() { l.pool.Release(up) }}
+			resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() {
+				cancelAttempt(nil)
+				l.pool.Release(up)
+			}}
 			if cc != nil {
 				cc.setOutcome(OutcomeOK)
 			}
@@ -323,6 +344,7 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		if dialed {
 			took = dialTook
 		}
+		cancelAttempt(nil)
 		l.log.Debug("plain request attempt failed", "upstream", up.ID(), "result", res.String(), "err", err)
 		l.pool.Report(up, res, took)
 		l.pool.Release(up)
