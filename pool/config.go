@@ -196,7 +196,7 @@ type Prober interface {
 type Hooks struct {
 	Failure func(service int, r Result)      // an upstream failure was reported
 	Ejected func(service int)                // an upstream was ejected
-	Rotated func(service int, result string) // a rotation ended: "ok", "error" or "rate_limited"
+	Rotated func(service int, result string) // a rotation ended: "ok", "error", or "rate_limited" (by the provider, or held back within RotateInterval)
 	Changed func()                           // the set or its state changed
 }
 

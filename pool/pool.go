@@ -139,13 +139,14 @@ func (p *Pool) notifyChanged() {
 }
 
 // SetListeners sets the listener slices that Request.Listener names. Until
-// it is called, every pick draws from the whole set whatever its listener.
+// it is called, or after it is called with none, every pick draws from the
+// whole set whatever its listener. Names should be unique; the first wins.
 func (p *Pool) SetListeners(ls []ListenerSlice) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.listeners = slices.Clone(ls)
-	if p.listeners == nil {
-		p.listeners = []ListenerSlice{}
+	p.listeners = nil
+	if len(ls) > 0 {
+		p.listeners = slices.Clone(ls)
 	}
 	old := p.snap.Load()
 	p.publish(p.build(old.hosts, old.byID, old.updated))

@@ -101,6 +101,10 @@ func TestListenerSlices(t *testing.T) {
 	if _, err := p.Pick(context.Background(), Request{Listener: "nope"}); !errors.Is(err, ErrUnknownListener) {
 		t.Errorf("unknown listener: err = %v", err)
 	}
+	p.SetListeners(nil)
+	if u := pickReport(t, p, Request{Listener: "nope"}, Success); u == nil {
+		t.Errorf("no listeners again: want the whole set")
+	}
 }
 
 func TestProviderExclusion(t *testing.T) {

@@ -7,8 +7,10 @@ import (
 
 // Run does the pool's background work until ctx ends: the sticky table's
 // idle sweep, forgetting drained upstreams, the optional active probe, and
-// the Changed hook. When ctx ends it cancels running rotations, waits for
-// them and returns nil. Call it once.
+// the Changed hook, and the hot path's copy of the clock: without Run (and
+// without Options.Now) ejections do not end and sticky keys do not expire.
+// When ctx ends it cancels running rotations, waits for them and returns
+// nil. Call it once.
 func (p *Pool) Run(ctx context.Context) error {
 	defer p.stopRotations()
 	sweep := time.NewTicker(min(max(p.cfg.StickyIdle/4, time.Second), time.Minute))
