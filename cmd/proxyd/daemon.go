@@ -35,6 +35,7 @@ type daemon struct {
 	poller  *agent.Poller
 	pool    *pool.Pool
 
+	applyMu   sync.Mutex // serializes apply
 	mu        sync.Mutex
 	cfg       config
 	listeners map[string]*runningListener
@@ -413,7 +414,13 @@ func (d *daemon) alive(maxAge time.Duration) (bool, string) {
 // apply turns an agent snapshot into pool updates (DESIGN.md §2) and saves
 // the state. Services whose lists are not known yet keep the upstreams the
 // pool has (from the state file), so a partial first poll never empties it.
-func (d *daemon) apply(s agent.Snapshot) {
+//
+// The poll loops call it concurrently; applying one at a time, and always
+// the poller's latest snapshot, keeps an older view from landing last.
+func (d *daemon) apply(agent.Snapshot) {
+	d.applyMu.Lock()
+	defer d.applyMu.Unlock()
+	s := d.poller.Snapshot()
 	prev := d.pool.Upstreams()
 	known := map[int]bool{}
 	var next []pool.Upstream
