@@ -110,7 +110,7 @@ func (d *daemon) readiness() (bool, string) {
 		return false, "listener " + name + " is not accepting"
 	}
 	var why []string
-	for _, l := range d.pool.Explain().Listeners {
+	for _, l := range d.pool.Listeners() {
 		if l.Usable == 0 {
 			why = append(why, fmt.Sprintf("listener %s has no usable upstream (%d known)", l.Name, l.Total))
 		}
