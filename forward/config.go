@@ -56,9 +56,12 @@ type Config struct {
 	DialTimeout      time.Duration // TCP connect to an upstream; default 5s
 	HandshakeTimeout time.Duration // CONNECT/SOCKS answer of an upstream; default 10s
 	IdleTimeout      time.Duration // idle tunnel or keep-alive client connection; default 5m
-	RetryBudget      time.Duration // total time for all attempts of one connection; default 15s
-	// ResponseTimeout bounds the wait for a plain request's response head
-	// through an upstream (an upstream that accepts and never answers);
+	// RetryBudget bounds the time of all attempts of one connection or
+	// request (dials, handshakes and, for a plain request without body, the
+	// wait for the answer's head); default 15s.
+	RetryBudget time.Duration
+	// ResponseTimeout bounds the wait for the answer's head to a plain
+	// request with a body (an upstream that accepts and never answers);
 	// default 60s.
 	ResponseTimeout time.Duration
 

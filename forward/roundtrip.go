@@ -280,12 +280,12 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 			break
 		}
 		info := &attemptInfo{}
-		// Wait for the answer's head up to ResponseTimeout, but while another
-		// attempt could follow (a request without body), only as long as the
-		// retry budget lasts: an upstream that accepts and never answers
-		// must not hold the client past the budget.
+		// Wait for the answer's head up to ResponseTimeout, but for a request
+		// without body (which another upstream could take) only as long as
+		// the retry budget lasts: an upstream that accepts and never answers
+		// must not hold the client past the bounded time.
 		headWait := l.cfg.ResponseTimeout
-		if rb == nil && attempt < l.cfg.Retries {
+		if rb == nil {
 			headWait = min(headWait, max(l.cfg.RetryBudget-time.Since(start), time.Millisecond))
 		}
 		actx, cancelAttempt := context.WithCancelCause(context.WithValue(ctx, attemptKey, info))
