@@ -121,12 +121,16 @@ func BenchmarkPickReport(b *testing.B) {
 	}
 }
 
-// BenchmarkUpdate swaps in a set of the same IDs: every upstream keeps its
-// state. Half of them come with a changed credential. "shuffled" sends
-// them in another order each time, which defeats the same-order fast path;
-// "churn" also replaces 1 % of them.
+// BenchmarkUpdate swaps in a set of the same n IDs, so every upstream keeps
+// its state, alternating between two versions of the set:
+//
+//	(none)        the same upstreams in the same order
+//	shuffled/     the same upstreams, the second version in another order
+//	              (no same-order fast path: one index lookup per upstream)
+//	credentials/  half of them with another password in the second version
+//	churn/        1 % of them replaced by others in the second version
 func BenchmarkUpdate(b *testing.B) {
-	for _, variant := range []string{"", "shuffled/", "churn/"} {
+	for _, variant := range []string{"", "shuffled/", "credentials/", "churn/"} {
 		for _, n := range benchSizes {
 			b.Run(variant+strconv.Itoa(n), func(b *testing.B) {
 				benchUpdate(b, variant, n)
@@ -136,32 +140,30 @@ func BenchmarkUpdate(b *testing.B) {
 }
 
 func benchUpdate(b *testing.B, variant string, n int) {
-	{
-		{
-			p, set := benchPool(b, RoundRobin, n)
-			next := append([]Upstream(nil), set...)
-			for i := 0; i < len(next); i += 2 {
-				next[i].Password = "changed"
-			}
-			switch variant {
-			case "shuffled/":
-				rand.New(rand.NewPCG(1, 2)).Shuffle(len(next), func(i, j int) { next[i], next[j] = next[j], next[i] })
-			case "churn/":
-				for i := 0; i < len(next); i += 100 {
-					next[i].Address = fmt.Sprintf("192.0.%d.%d:8080", i>>8&255, i&255)
-				}
-			}
-			sets := [2][]Upstream{set, next}
-			b.ReportAllocs()
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				p.Update(sets[i%2])
-			}
-			b.StopTimer()
-			if got := len(p.snap.Load().hosts); got != n {
-				b.Fatalf("%d upstreams", got)
-			}
+	p, set := benchPool(b, RoundRobin, n)
+	next := append([]Upstream(nil), set...)
+	switch variant {
+	case "shuffled/":
+		rand.New(rand.NewPCG(1, 2)).Shuffle(len(next), func(i, j int) { next[i], next[j] = next[j], next[i] })
+	case "credentials/":
+		for i := 0; i < len(next); i += 2 {
+			next[i].Password = "changed"
 		}
+	case "churn/":
+		for i := 0; i < len(next); i += 100 {
+			next[i].Address = fmt.Sprintf("192.0.%d.%d:8080", i>>8&255, i&255)
+		}
+	}
+	sets := [2][]Upstream{set, next}
+	want := len(p.snap.Load().hosts)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		p.Update(sets[i%2])
+	}
+	b.StopTimer()
+	if got := len(p.snap.Load().hosts); got != want {
+		b.Fatalf("%d upstreams, want %d", got, want)
 	}
 }
 

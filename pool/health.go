@@ -25,9 +25,15 @@ const (
 // atomic; writers that must agree with each other (ejection and the ejection
 // cap) take Pool.ejectMu.
 type host struct {
-	cur atomic.Pointer[Upstream] // the current exported fields (replaced by Update and rotation)
-	rot atomic.Pointer[rotation] // non-nil while a rotation is under way
+	// Read by Update for every upstream: kept together at the front.
+	cur      atomic.Pointer[Upstream] // the current exported fields (replaced by Update and rotation)
+	mark     uint64                   // the last Update that listed it; under Pool.mu
+	flags    atomic.Uint32
+	reason   atomic.Uint32 // last failure Result
+	id       string
+	addrHost string // host part of Address, as the provider's status lists name it
 
+	rot          atomic.Pointer[rotation] // non-nil while a rotation is under way
 	inFlight     atomic.Int64
 	ejectedUntil atomic.Int64 // unix ns; non-zero from ejection until a trial succeeds
 	consec       atomic.Int64 // consecutive upstream failures
@@ -36,15 +42,9 @@ type host struct {
 	readmitted   atomic.Int64 // unix ns of the last re-admission
 	lastRotate   atomic.Int64 // unix ns of the last rotation request
 	ewma         atomic.Int64 // moving average of dial + handshake, ns; 0 = not measured
-	flags        atomic.Uint32
-	streak       atomic.Int32  // ejections in a row; decides the ejection's length
-	reason       atomic.Uint32 // last failure Result
-	trial        atomic.Bool   // the one trial connection of a probing upstream is out
-	held         atomic.Bool   // its ejection was refused by the ejection cap (panic)
-
-	id       string
-	addrHost string // host part of Address, as the provider's status lists name it
-	mark     uint64 // the last Update that listed it; under Pool.mu
+	streak       atomic.Int32 // ejections in a row; decides the ejection's length
+	trial        atomic.Bool  // the one trial connection of a probing upstream is out
+	held         atomic.Bool  // its ejection was refused by the ejection cap (panic)
 }
 
 func newHost(id string, u *Upstream) *host {

@@ -226,9 +226,9 @@ func appendID(b []byte, u *Upstream) []byte {
 }
 
 func sameUpstream(a, b *Upstream) bool {
-	x, y := *a, *b
-	x.h, y.h = nil, nil
-	return x == y
+	return a.Service == b.Service && a.Kind == b.Kind && a.Protocol == b.Protocol &&
+		a.Address == b.Address && a.Username == b.Username && a.Password == b.Password &&
+		a.Server == b.Server && a.Session == b.Session && a.ExitIP == b.ExitIP
 }
 
 // Update swaps in a new upstream set. Upstreams whose ID stays keep their
