@@ -355,3 +355,46 @@ func TestActiveProbe(t *testing.T) {
 type proberFunc func(context.Context, *Upstream) Result
 
 func (f proberFunc) Probe(ctx context.Context, u *Upstream) Result { return f(ctx, u) }
+
+func TestProbingOneTrialUnderConcurrency(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Rand: midRand})
+	set := ups(1, 1)
+	p.Update(append(set, ups(2, 1)...))
+	u := handle(p, set[0])
+	fail(p, u, 3)
+	clk.Advance(time.Minute)
+	const n = 32
+	got := make(chan *Upstream, n)
+	start := make(chan struct{})
+	for range n {
+		go func() {
+			<-start
+			u, err := p.Pick(context.Background(), Request{})
+			if err != nil {
+				t.Error(err)
+			}
+			got <- u
+		}()
+	}
+	close(start)
+	trials := 0
+	var all []*Upstream
+	for range n {
+		g := <-got
+		all = append(all, g)
+		if g.ID() == u.ID() {
+			trials++
+		}
+	}
+	if trials != 1 {
+		t.Errorf("%d concurrent trials, want 1", trials)
+	}
+	for _, g := range all {
+		p.Report(g, Success, time.Millisecond)
+		p.Release(g)
+	}
+	if s := stateOf(t, p, u.ID()); s.State != Healthy || s.InFlight != 0 {
+		t.Errorf("after the trial: %+v", s)
+	}
+}

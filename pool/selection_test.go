@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"testing"
@@ -204,5 +205,32 @@ func TestEWMA(t *testing.T) {
 	h.observe(0)
 	if got := time.Duration(h.ewma.Load()); got != 125*time.Millisecond {
 		t.Errorf("zero sample changed the average: %s", got)
+	}
+}
+
+func TestPickDoesNotAllocate(t *testing.T) {
+	for _, strategy := range []string{RoundRobin, Random, LeastConn} {
+		p, err := New(Config{Strategy: strategy}, Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Update(ups(1, 100))
+		p.SetListeners([]ListenerSlice{{Name: "http", Protocol: HTTP}})
+		ctx := context.Background()
+		for _, req := range []Request{{Listener: "http"}, {Listener: "http", Key: "user\x00k1"}, {Listener: "http", Avoid: []string{"1/http/10.1.0.0:8080"}}} {
+			u, _ := p.Pick(ctx, req) // assigns the key
+			p.Release(u)
+			allocs := testing.AllocsPerRun(200, func() {
+				u, err := p.Pick(ctx, req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				p.Report(u, Success, time.Millisecond)
+				p.Release(u)
+			})
+			if allocs != 0 {
+				t.Errorf("%s %+v: %.1f allocs per pick", strategy, req, allocs)
+			}
+		}
 	}
 }
