@@ -273,7 +273,7 @@ func (p *Pool) readmit(h *host, now int64) {
 		}
 	}
 	p.ejectMu.Unlock()
-	p.log.Info("upstream re-admitted", "id", h.id)
+	p.log.Debug("upstream re-admitted", "id", h.id)
 	p.notifyChanged()
 }
 

@@ -64,10 +64,12 @@ type snapshot struct {
 type slice struct {
 	ListenerSlice
 	members  []*host
-	rr       atomic.Uint64           // round-robin position, also the start of scans
 	bands    [2]atomic.Pointer[band] // latency strategy: without, with quota upstreams
 	eligible atomic.Int64            // members the provider does not exclude: the base of the ejection cap
 	ejected  atomic.Int64            // members out of rotation by ejection
+	_        [64]byte                // every pick writes rr: keep it off the lines every pick reads
+	rr       atomic.Uint64           // round-robin position, also the start of scans
+	_        [56]byte
 }
 
 func (sl *slice) matches(u *Upstream) bool {
