@@ -103,15 +103,18 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 	default:
 		out, derr = connectHandshake(c, u, dest)
 	}
-	if !stop() || derr != nil {
-		_ = c.Close()
-		if derr == nil || ctx.Err() != nil && !errors.Is(context.Cause(ctx), errAttemptTimeout) {
-			return nil, &dialError{result: pool.Canceled, err: context.Cause(ctx)}
-		}
-		return nil, derr
+	if stop() && derr == nil {
+		_ = c.SetDeadline(time.Time{})
+		return out, nil
 	}
-	_ = c.SetDeadline(time.Time{})
-	return out, nil
+	_ = c.Close()
+	if ctx.Err() != nil && !errors.Is(context.Cause(ctx), errAttemptTimeout) {
+		return nil, &dialError{result: pool.Canceled, err: context.Cause(ctx)}
+	}
+	if derr == nil { // the budget ran out just as the answer came
+		derr = &dialError{result: pool.HandshakeTimeout, err: errAttemptTimeout}
+	}
+	return nil, derr
 }
 
 func socksHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *dialError) {
