@@ -398,3 +398,27 @@ func TestProbingOneTrialUnderConcurrency(t *testing.T) {
 		t.Errorf("after the trial: %+v", s)
 	}
 }
+
+// Without Options.Now the hot path reads the clock copy Run refreshes: an
+// ejection still ends on time.
+func TestEjectionEndsWithTheRealClock(t *testing.T) {
+	p := newTestPool(t, Config{EjectBase: 50 * time.Millisecond, EjectMax: time.Second, MaxEjectedShare: 1}, Options{})
+	set := ups(1, 2)
+	p.Update(set)
+	u := handle(p, set[0])
+	fail(p, u, 3)
+	ejectedAt := time.Now()
+	if s := stateOf(t, p, u.ID()); s.State != Ejected {
+		t.Fatalf("state %s", s.State)
+	}
+	waitFor(t, "a trial on the ejected upstream", func() bool {
+		g := pickReport(t, p, Request{}, Success)
+		return g.ID() == u.ID()
+	})
+	if took := time.Since(ejectedAt); took < 35*time.Millisecond { // 40ms at least, less the time fail took
+		t.Errorf("picked %s after the ejection, which lasts 50ms ± 20 %%", took)
+	}
+	if s := stateOf(t, p, u.ID()); s.State != Healthy {
+		t.Errorf("after the trial: %s", s.State)
+	}
+}
