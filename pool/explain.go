@@ -89,7 +89,7 @@ func (p *Pool) listenersOf(s *snapshot, ns int64) []ListenerExplanation {
 			continue
 		}
 		le := ListenerExplanation{Name: sl.Name, Total: len(sl.members)}
-		quota := 0
+		quota, held := 0, false
 		for _, h := range sl.members {
 			st, _ := p.state(h, ns)
 			switch st {
@@ -98,11 +98,14 @@ func (p *Pool) listenersOf(s *snapshot, ns int64) []ListenerExplanation {
 			case Quota:
 				quota++
 			}
-			le.Panic = le.Panic || h.held.Load()
+			held = held || h.held.Load()
 		}
 		if le.Usable == 0 {
 			le.Usable = quota // quota upstreams serve when nothing else can
 		}
+		// Panic: a failing upstream is kept in because this slice has no
+		// room under its ejection cap.
+		le.Panic = held && sl.ejected.Load() >= int64(p.cfg.MaxEjectedShare*float64(sl.eligible.Load()))
 		out = append(out, le)
 	}
 	return out

@@ -422,3 +422,26 @@ func TestEjectionEndsWithTheRealClock(t *testing.T) {
 		t.Errorf("after the trial: %s", s.State)
 	}
 }
+
+func TestPanicIsPerSlice(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{}, Options{Now: clk.Now, Rand: midRand})
+	set := ups(1, 10)
+	for i := 2; i < 10; i++ {
+		set[i].Protocol = SOCKS5
+	}
+	p.Update(set)
+	p.SetListeners([]ListenerSlice{{Name: "http", Protocol: HTTP}, {Name: "all"}})
+	a, b := handle(p, set[0]), handle(p, set[1])
+	fail(p, a, 3) // http: 1 of 2 ejected, its cap
+	fail(p, b, 3) // held by http's cap, though "all" has room
+	if s := stateOf(t, p, b.ID()); s.State != Healthy {
+		t.Fatalf("b: %s", s.State)
+	}
+	if l := listenerOf(t, p, "http"); !l.Panic {
+		t.Errorf("http: %+v, want panic", l)
+	}
+	if l := listenerOf(t, p, "all"); l.Panic {
+		t.Errorf("all: %+v, want no panic (1 of 10 ejected)", l)
+	}
+}
