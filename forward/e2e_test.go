@@ -98,10 +98,13 @@ func TestHTTPPlainRequests(t *testing.T) {
 		}
 		// keep-alive on both hops: one client connection, one origin connection.
 		tl.obs.mu.Lock()
-		opened := tl.obs.opened
+		opened, dialed := tl.obs.opened, tl.obs.dialed
 		tl.obs.mu.Unlock()
 		if opened != 1 {
 			t.Errorf("client connections to proxyd: %d, want 1", opened)
+		}
+		if dialed != 1 {
+			t.Errorf("upstream dials: %d, want 1 (upstream connection reused)", dialed)
 		}
 		if n := originConns.Load(); n != 1 {
 			t.Errorf("origin connections: %d, want 1 (upstream connection reused)", n)
