@@ -1,11 +1,14 @@
 package forward
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -285,5 +288,87 @@ func TestAllUpstreamsDead(t *testing.T) {
 	waitFor(t, 5*time.Second, func() bool { return len(etl.obs.Closeds()) == 1 }, "closed")
 	if o := etl.obs.Closeds()[0].o; o != OutcomeNoUpstream {
 		t.Errorf("empty pool outcome %s", o)
+	}
+}
+
+// blackholeAddr returns a loopback address whose accept queue is full, so
+// that a new connect is never answered (its SYNs are dropped).
+func blackholeAddr(t *testing.T) string {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, _ := syscall.Getsockname(fd)
+	addr := fmt.Sprintf("127.0.0.1:%d", sa.(*syscall.SockaddrInet4).Port)
+	for range 8 { // fill the accept queue
+		c, err := net.DialTimeout("tcp", addr, 100*time.Millisecond)
+		if err != nil {
+			return addr
+		}
+		t.Cleanup(func() { _ = c.Close() })
+	}
+	t.Skip("could not fill the accept queue")
+	return ""
+}
+
+// TestDialTimeout: an upstream that never answers the TCP connect is a
+// dial timeout, and the next upstream serves.
+func TestDialTimeout(t *testing.T) {
+	checkLeaks(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	bad := &pool.Upstream{Service: 9, Protocol: pool.HTTP, Address: blackholeAddr(t)}
+	good := newHTTPUpstream(t, "", "", nil).upstream(1)
+	p := newFakePool(bad, good)
+	tl := startListener(t, Config{AllowDestinations: loopbackAllowed, DialTimeout: 300 * time.Millisecond}, p)
+	start := time.Now()
+	c, br, resp := rawConnect(t, tl.addr, echo, "")
+	if resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %d", resp.StatusCode)
+	}
+	if d := time.Since(start); d < 250*time.Millisecond || d > 3*time.Second {
+		t.Errorf("took %s", d)
+	}
+	bigTransfer(t, c, br, 100)
+	p.waitBalanced(t)
+	if r := p.Reports(); len(r) != 2 || r[0].res != pool.DialTimeout || r[1].res != pool.Success {
+		t.Errorf("reports %+v", r)
+	}
+}
+
+// TestSOCKSUnsupportedCommands: BIND and UDP ASSOCIATE get "command not
+// supported" and never reach the pool.
+func TestSOCKSUnsupportedCommands(t *testing.T) {
+	checkLeaks(t)
+	p := newFakePool()
+	p.PickFunc = func(context.Context, pool.Request) (*pool.Upstream, error) {
+		t.Error("unsupported command reached Pick")
+		return nil, errors.New("no")
+	}
+	tl := startListener(t, Config{Protocol: "socks5"}, p)
+	for _, cmd := range []byte{socks5.CmdBind, socks5.CmdUDPAssociate} {
+		c, err := net.Dial("tcp", tl.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		_, _ = c.Write([]byte{5, 1, 0})
+		sel := make([]byte, 2)
+		if _, err := io.ReadFull(c, sel); err != nil || sel[1] != 0 {
+			t.Fatalf("method selection %v %v", sel, err)
+		}
+		_, _ = c.Write([]byte{5, cmd, 0, 1, 93, 184, 216, 34, 0, 80})
+		reply := make([]byte, 10)
+		if _, err := io.ReadFull(c, reply); err != nil || reply[1] != socks5.ReplyCommandNotSupported {
+			t.Errorf("command %d: reply %v %v", cmd, reply, err)
+		}
+		_ = c.Close()
 	}
 }
