@@ -506,3 +506,34 @@ func TestTCPProber(t *testing.T) {
 		t.Errorf("dead upstream: %s", r)
 	}
 }
+
+func TestAdminBearerToken(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) { c.Admin.Token = "adm-7c1" })
+	get := func(path, auth string) int {
+		req, _ := http.NewRequest(http.MethodGet, "http://"+e.d.adminAddr()+path, nil)
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	for _, p := range []string{"/metrics", "/pool", "/readyz"} {
+		if code := get(p, ""); code != 401 {
+			t.Errorf("%s without token: %d", p, code)
+		}
+		if code := get(p, "Bearer wrong"); code != 401 {
+			t.Errorf("%s with a wrong token: %d", p, code)
+		}
+	}
+	if code := get("/metrics", "Bearer adm-7c1"); code != 200 {
+		t.Errorf("/metrics with the token: %d", code)
+	}
+	if code := get("/healthz", ""); code != 200 {
+		t.Errorf("/healthz stays open for liveness checks: %d", code)
+	}
+}
