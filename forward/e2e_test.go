@@ -465,3 +465,43 @@ func TestGoproxyConnectLosesEarlyBytes(t *testing.T) {
 	}
 	// proxyd's relay keeps them: TestConnectEarlyBytes.
 }
+
+// TestConnectUpstreamSendsEarly: bytes an HTTP upstream sends right behind
+// its 200 (a server-first protocol's banner) reach the client.
+func TestConnectUpstreamSendsEarly(t *testing.T) {
+	checkLeaks(t)
+	banner := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		_, _ = io.WriteString(c, "220 banner\r\n")
+		echoServe(c)
+	})
+	u := newHTTPUpstream(t, "", "", nil)
+	u.mode.Store(int32(modeBanner))
+	for _, proto := range []string{"http", "socks5"} {
+		tl := startListener(t, Config{Protocol: proto, AllowDestinations: loopbackAllowed}, newFakePool(u.upstream(1)))
+		var c net.Conn
+		var r io.Reader
+		if proto == "http" {
+			var resp *http.Response
+			var br *bufio.Reader
+			c, br, resp = rawConnect(t, tl.addr, banner, "")
+			if resp.StatusCode != 200 {
+				t.Fatalf("CONNECT: %d", resp.StatusCode)
+			}
+			r = br
+		} else {
+			d, _ := proxy.SOCKS5("tcp", tl.addr, nil, proxy.Direct)
+			var err error
+			if c, err = d.Dial("tcp", banner); err != nil {
+				t.Fatal(err)
+			}
+			r = c
+		}
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		got := make([]byte, len("220 banner\r\n"))
+		if _, err := io.ReadFull(r, got); err != nil || string(got) != "220 banner\r\n" {
+			t.Fatalf("%s: banner %q %v", proto, got, err)
+		}
+		bigTransfer(t, c, r, 10000)
+		_ = c.Close()
+	}
+}

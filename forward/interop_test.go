@@ -306,6 +306,15 @@ func TestCurl(t *testing.T) {
 			t.Errorf("curl %q: %s", args, out)
 		}
 	}
+	// A 2 MiB upload with Expect: 100-continue.
+	f := filepath.Join(t.TempDir(), "upload")
+	if err := os.WriteFile(f, bytes.Repeat([]byte("0123456789abcdef"), 128<<10), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out := run("-H", "Expect: 100-continue", "--data-binary", "@"+f, "-x", "http://"+tl.addr, "-U", "alice:pw", url)
+	if !strings.Contains(out, `"BodyLen":2097152`) {
+		t.Errorf("upload: %s", out)
+	}
 	// 407 without credentials.
 	if out := run("-o", "/dev/null", "-w", "%{http_code}", "-x", "http://"+tl.addr, url); out != "407" {
 		t.Errorf("without credentials: %s", out)

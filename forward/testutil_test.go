@@ -222,6 +222,7 @@ const (
 	mode502
 	modeCloseAtOnce
 	mode500
+	modeBanner // answer CONNECT and the destination's first bytes in one write
 )
 
 // httpUpstream is a small HTTP proxy: CONNECT and absolute-URI requests,
@@ -361,7 +362,16 @@ func (u *httpUpstream) serveConnect(c net.Conn, br *bufio.Reader, target string)
 	defer dc.Close()
 	u.conns.Store(dc, struct{}{})
 	defer u.conns.Delete(dc)
-	_, _ = io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n")
+	if upstreamMode(u.mode.Load()) == modeBanner {
+		// Read what the destination sends first and pass it with the 200.
+		_ = dc.SetReadDeadline(time.Now().Add(2 * time.Second))
+		b := make([]byte, 512)
+		n, _ := dc.Read(b)
+		_ = dc.SetReadDeadline(time.Time{})
+		_, _ = c.Write(append([]byte("HTTP/1.1 200 Connection established\r\n\r\n"), b[:n]...))
+	} else {
+		_, _ = io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n")
+	}
 	if n := br.Buffered(); n > 0 {
 		b, _ := br.Peek(n)
 		_, _ = dc.Write(b)
