@@ -190,7 +190,6 @@ func (l *Listener) serveConnect(w http.ResponseWriter, r *http.Request, cc *clie
 		cc.setOutcome(OutcomeClientError)
 		return
 	}
-	cc.hijacked.Store(true)
 	var pending []byte
 	if n := brw.Reader.Buffered(); n > 0 {
 		b, _ := brw.Reader.Peek(n)
@@ -297,7 +296,7 @@ var hopHeaders = []string{
 func stripHop(h http.Header, keepUpgrade bool) {
 	for _, v := range h["Connection"] {
 		for _, f := range strings.Split(v, ",") {
-			f = textprotoTrim(f)
+			f = strings.TrimSpace(f)
 			if f == "" || keepUpgrade && strings.EqualFold(f, "upgrade") {
 				continue
 			}
@@ -313,8 +312,6 @@ func stripHop(h http.Header, keepUpgrade bool) {
 		h["Upgrade"] = upg
 	}
 }
-
-func textprotoTrim(s string) string { return strings.TrimSpace(s) }
 
 // isUpgrade reports a request asking for a protocol upgrade.
 func isUpgrade(h http.Header) bool {
@@ -398,7 +395,6 @@ func (l *Listener) serveUpgrade(w http.ResponseWriter, r *http.Request, cc *clie
 		fail2(OutcomeClientError)
 		return
 	}
-	cc.hijacked.Store(true)
 	var pending []byte
 	if n := brw.Reader.Buffered(); n > 0 {
 		b, _ := brw.Reader.Peek(n)

@@ -340,7 +340,6 @@ type clientConn struct {
 	up, down atomic.Int64
 	retries  atomic.Int32
 	outcome  atomic.Int32 // Outcome+1; 0 = nothing served yet
-	hijacked atomic.Bool
 	closeErr error
 }
 
