@@ -237,6 +237,7 @@ type httpUpstream struct {
 	mu       sync.Mutex
 	targets  []string      // CONNECT targets and absolute URIs received
 	headers  []http.Header // headers of plain requests received
+	peers    []string      // remote addresses of accepted connections
 	accepted atomic.Int64
 
 	wg    sync.WaitGroup
@@ -289,6 +290,9 @@ func (u *httpUpstream) accept() {
 			return
 		}
 		u.accepted.Add(1)
+		u.mu.Lock()
+		u.peers = append(u.peers, c.RemoteAddr().String())
+		u.mu.Unlock()
 		u.conns.Store(c, struct{}{})
 		u.wg.Add(1)
 		go func() {

@@ -248,3 +248,30 @@ func TestObserverCounts(t *testing.T) {
 		t.Errorf("dialed %d opened %d", tl.obs.dialed, tl.obs.opened)
 	}
 }
+
+// TestSourceAddr: outbound connections leave from the configured address.
+func TestSourceAddr(t *testing.T) {
+	checkLeaks(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	up := newHTTPUpstream(t, "", "", nil)
+	src := netip.MustParseAddr("127.0.0.2")
+	tl := startListener(t, Config{AllowDestinations: loopbackAllowed, SourceAddr: src}, newFakePool(up.upstream(1)))
+	c, br, resp := rawConnect(t, tl.addr, echo, "")
+	if resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %d", resp.StatusCode)
+	}
+	bigTransfer(t, c, br, 10)
+	req, _ := http.NewRequest("GET", "http://"+origin+"/", nil)
+	getEcho(t, tl.httpClient(t, "", ""), req)
+	up.mu.Lock()
+	defer up.mu.Unlock()
+	if len(up.peers) != 2 {
+		t.Fatalf("upstream connections %q", up.peers)
+	}
+	for _, p := range up.peers {
+		if ap := netip.MustParseAddrPort(p); ap.Addr() != src {
+			t.Errorf("upstream saw a connection from %s, want %s", p, src)
+		}
+	}
+}
