@@ -7,9 +7,13 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"net/url"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/net/proxy"
 
 	"github.com/proxyd/proxyd/pool"
 )
@@ -273,5 +277,82 @@ func TestSourceAddr(t *testing.T) {
 		if ap := netip.MustParseAddrPort(p); ap.Addr() != src {
 			t.Errorf("upstream saw a connection from %s, want %s", p, src)
 		}
+	}
+}
+
+// TestCloseUnderLoad: Close while tunnels, plain requests and handshakes are
+// in flight ends everything, with no goroutine or fd left.
+func TestCloseUnderLoad(t *testing.T) {
+	checkLeaks(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	up := newHTTPUpstream(t, "", "", nil)
+	sup := newSOCKSUpstream(t, "", "", nil)
+	for _, proto := range []string{"http", "socks5"} {
+		p := newFakePool(up.upstream(1), sup.upstream(2))
+		l, err := NewListener(Config{Protocol: proto, AllowDestinations: loopbackAllowed}, p, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		served := make(chan error, 1)
+		go func() { served <- l.Serve(ln) }()
+		addr := ln.Addr().String()
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range 24 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					var c net.Conn
+					var err error
+					switch {
+					case proto == "socks5":
+						d, _ := proxy.SOCKS5("tcp", addr, nil, proxy.Direct)
+						c, err = d.Dial("tcp", echo)
+					case i%2 == 0:
+						c, _, err = tunnelVia(pool.HTTP, addr, echo)
+					default:
+						tr := &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: addr})}
+						resp, gerr := (&http.Client{Transport: tr, Timeout: 5 * time.Second}).Get("http://" + origin + "/")
+						if gerr == nil {
+							_, _ = io.Copy(io.Discard, resp.Body)
+							_ = resp.Body.Close()
+						}
+						tr.CloseIdleConnections()
+						continue
+					}
+					if err != nil {
+						continue
+					}
+					_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+					_, _ = c.Write([]byte("x"))
+					_, _ = io.Copy(io.Discard, c) // until proxyd closes it
+					_ = c.Close()
+				}
+			}()
+		}
+		waitFor(t, 5*time.Second, func() bool { return l.ActiveConns() >= 12 }, "load running")
+		if err := l.Close(); err != nil {
+			t.Fatal(err)
+		}
+		close(stop)
+		wg.Wait()
+		if err := <-served; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+		if n := l.ActiveConns(); n != 0 {
+			t.Errorf("%s: %d connections after Close", proto, n)
+		}
+		p.waitBalanced(t)
 	}
 }
