@@ -29,8 +29,8 @@ import (
 	"github.com/proxyd/proxyd/pool"
 )
 
-// ErrListenerClosed is returned by Serve on a listener that was already closed.
-var ErrListenerClosed = errors.New("forward: listener closed")
+// ErrServing is returned by a second Serve on the same Listener.
+var ErrServing = errors.New("forward: listener already serving")
 
 // Listener is one local proxy listener (HTTP or SOCKS5).
 type Listener struct {
@@ -117,13 +117,19 @@ func (l *Listener) Addr() net.Addr {
 func (l *Listener) ActiveConns() int { return int(l.active.Load()) }
 
 // Serve accepts client connections on ln until Shutdown or Close; it then
-// returns nil. ln is closed when Serve returns.
+// returns nil (also when Shutdown or Close came first). ln is closed when
+// Serve returns. A Listener serves one net.Listener.
 func (l *Listener) Serve(ln net.Listener) error {
 	l.mu.Lock()
-	if l.stopping || l.ln != nil {
+	if l.stopping { // shut down before it served: nothing to do
 		l.mu.Unlock()
 		_ = ln.Close()
-		return ErrListenerClosed
+		return nil
+	}
+	if l.ln != nil {
+		l.mu.Unlock()
+		_ = ln.Close()
+		return ErrServing
 	}
 	l.ln = ln
 	l.mu.Unlock()
