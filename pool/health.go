@@ -61,11 +61,6 @@ func (h *host) setCur(u *Upstream) {
 	h.cur.Store(&c)
 }
 
-func (h *host) isSession() bool {
-	u := h.cur.Load()
-	return u.Kind == PPR && u.Session != ""
-}
-
 // setFlags replaces the bits of mask with val.
 func (h *host) setFlags(mask, val uint32) (old uint32) {
 	for {

@@ -49,8 +49,8 @@ func take(h *host) bool {
 }
 
 // The strategies are pure functions over a slice's members: they return the
-// index of the chosen eligible member or -1, and claim nothing. start spreads
-// ties and scans.
+// index of the chosen eligible member or -1 (latencyBand: the members to
+// choose among), and claim nothing. start spreads ties and scans.
 
 // pickFirst scans from start and returns the first eligible member: round
 // robin with start the slice's counter, random with a random start.
@@ -127,13 +127,13 @@ type band struct {
 
 const bandMaxAge = int64(time.Second)
 
-func (p *Pool) band(sl *slice, quota bool) *band {
+func (p *Pool) band(sl *slice, quota, stale bool) *band {
 	i := 0
 	if quota {
 		i = 1
 	}
 	b := sl.bands[i].Load()
-	if b != nil {
+	if b != nil && !stale {
 		fresh := b.left.Add(-1) >= 0 && p.fastNow() < b.until
 		if fresh || !b.refreshing.CompareAndSwap(false, true) {
 			return b // fresh, or another pick is refreshing it
@@ -167,11 +167,16 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 		case LeastConn:
 			i = pickLeastConn(hs, sl.rr.Add(1), f)
 		case Latency:
-			hs = p.band(sl, f.quota).hosts
+			hs = p.band(sl, f.quota, false).hosts
 			if i = pickFirst(hs, sl.rr.Add(1), f); i < 0 {
-				// Nothing of the band can serve this pick (ejected since,
-				// or tried already): the best of the rest.
-				hs = latencyBand(sl.members, f, p.cfg.LatencyTolerance)
+				// Nothing of the band can serve this pick: its members
+				// went out since it was made, or this connection tried
+				// them already; then the best of the rest for it alone.
+				if len(f.avoid) == 0 && f.skip == nil {
+					hs = p.band(sl, f.quota, true).hosts
+				} else {
+					hs = latencyBand(sl.members, f, p.cfg.LatencyTolerance)
+				}
 				i = pickFirst(hs, sl.rr.Load(), f)
 			}
 		default:

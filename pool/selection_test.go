@@ -234,3 +234,33 @@ func TestPickDoesNotAllocate(t *testing.T) {
 		}
 	}
 }
+
+func TestLatencyBandFollowsHealth(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, Config{Strategy: Latency, MaxEjectedShare: 1}, Options{Now: clk.Now})
+	set := ups(1, 3)
+	p.Update(set)
+	for i, d := range []time.Duration{10, 50, 100} {
+		u := handle(p, set[i])
+		u.h.inFlight.Add(1)
+		p.Report(u, Success, d*time.Millisecond)
+		p.Release(u)
+	}
+	if u := pickReport(t, p, Request{}, Canceled); u.ID() != set[0].ID() {
+		t.Fatalf("picked %s, want the fastest", u.ID())
+	}
+	// A retry that tried the fastest gets the next best, for itself alone.
+	if u := pickReport(t, p, Request{Avoid: []string{set[0].ID()}}, Canceled); u.ID() != set[1].ID() {
+		t.Errorf("with Avoid: %s, want %s", u.ID(), set[1].ID())
+	}
+	if u := pickReport(t, p, Request{}, Canceled); u.ID() != set[0].ID() {
+		t.Errorf("after a retry: %s, want the fastest again", u.ID())
+	}
+	// The fastest is ejected: the band is made again from the rest at once.
+	fail(p, handle(p, set[0]), 3)
+	for range 5 {
+		if u := pickReport(t, p, Request{}, Canceled); u.ID() != set[1].ID() {
+			t.Errorf("after the ejection: %s, want %s", u.ID(), set[1].ID())
+		}
+	}
+}
