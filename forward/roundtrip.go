@@ -96,16 +96,17 @@ func (tc *transportCache) closeIdle() {
 func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 	d := tc.l.dialer
 	tr := &http.Transport{
-		Proxy:                 nil, // never from the environment
-		TLSClientConfig:       &tls.Config{MinVersion: tls.VersionTLS12},
-		TLSHandshakeTimeout:   d.handshakeTimeout,
-		DisableCompression:    true, // the client's Accept-Encoding goes through as sent
-		MaxIdleConns:          512,
-		MaxIdleConnsPerHost:   128,
-		IdleConnTimeout:       90 * time.Second,
-		ExpectContinueTimeout: time.Second,
-		ResponseHeaderTimeout: tc.l.cfg.ResponseTimeout,
-		ForceAttemptHTTP2:     false,
+		Proxy:                  nil, // never from the environment
+		TLSClientConfig:        &tls.Config{MinVersion: tls.VersionTLS12},
+		TLSHandshakeTimeout:    d.handshakeTimeout,
+		DisableCompression:     true, // the client's Accept-Encoding goes through as sent
+		MaxIdleConns:           512,
+		MaxIdleConnsPerHost:    128,
+		IdleConnTimeout:        90 * time.Second,
+		ExpectContinueTimeout:  time.Second,
+		ResponseHeaderTimeout:  tc.l.cfg.ResponseTimeout,
+		MaxResponseHeaderBytes: 1 << 20,
+		ForceAttemptHTTP2:      false,
 	}
 	switch u.Protocol {
 	case pool.SOCKS5:
