@@ -21,8 +21,6 @@ func (p *Pool) state(h *host, now int64) (State, string) {
 			return Rotating, "exit ip on the provider's errored list"
 		}
 		return Rotating, Result(h.reason.Load()).String()
-	case fl&fExitErrored != 0:
-		return ProviderError, "exit ip on the provider's errored list"
 	}
 	if until := h.ejectedUntil.Load(); until != 0 {
 		if now < until {
@@ -32,6 +30,9 @@ func (p *Pool) state(h *host, now int64) (State, string) {
 	}
 	if fl&fQuota != 0 {
 		return Quota, "service usage limit reached"
+	}
+	if fl&fExitErrored != 0 {
+		return Healthy, "exit ip on the provider's errored list, not rotated yet"
 	}
 	if h.held.Load() {
 		return Healthy, "failing, kept in by the ejection cap: " + Result(h.reason.Load()).String()

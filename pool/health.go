@@ -10,14 +10,14 @@ import (
 const (
 	fProviderError    uint32 = 1 << iota // the upstream's gateway IP is on the errored list
 	fProviderInactive                    // ... on the inactive list
-	fExitErrored                         // a ppr session whose exit IP is on the errored list
+	fExitErrored                         // a ppr session whose exit IP is on the errored list: rotated, not excluded
 	fQuota                               // its ppr service reached its usage limit
 	fDraining                            // removed from the set; in-flight connections finish
 	fRotating                            // a ppr session waiting for its rotation
 
 	providerBits = fProviderError | fProviderInactive | fExitErrored | fQuota
 	// excluded are the bits that keep an upstream from any new connection.
-	excluded = fProviderError | fProviderInactive | fExitErrored | fDraining | fRotating
+	excluded = fProviderError | fProviderInactive | fDraining | fRotating
 )
 
 // host is the pool's mutable per-upstream state, shared by every *Upstream

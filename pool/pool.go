@@ -368,9 +368,10 @@ func (p *Pool) applyStatus(h *host) (rotate bool) {
 }
 
 // SetProviderStatus sets the provider's errored and inactive IPs of a
-// service; it takes effect at once. An upstream whose host is listed takes
-// no new connections; a ppr sticky session whose exit IP is errored is
-// rotated and takes no new connections until then.
+// service; it takes effect at once. An upstream whose host (for a ppr
+// sticky session: its gateway) is listed takes no new connections. A ppr
+// sticky session whose exit IP is errored is rotated instead (at most once
+// per RotateInterval); it is not excluded for that.
 func (p *Pool) SetProviderStatus(service int, errored, inactive []string) {
 	p.mu.Lock()
 	p.errored[service] = toSet(errored)

@@ -166,13 +166,21 @@ func TestSessionGatewayExcludedExitIPNot(t *testing.T) {
 	if s := stateOf(t, p, ss[0].ID()); s.State != ProviderInactive {
 		t.Errorf("state = %s", s.State)
 	}
-	// An errored exit IP without a Rotator: excluded as provider_error.
+	// An errored exit IP (here without a Rotator) is a reason to rotate, not
+	// to exclude.
 	p.SetProviderStatus(5, []string{ss[1].ExitIP}, nil)
-	if s := stateOf(t, p, ss[1].ID()); s.State != ProviderError || !strings.Contains(s.Reason, "exit ip") {
+	if s := stateOf(t, p, ss[1].ID()); s.State != Healthy || !strings.Contains(s.Reason, "exit ip") {
 		t.Errorf("errored exit ip: %s %q", s.State, s.Reason)
 	}
-	if s := stateOf(t, p, ss[0].ID()); s.State != Healthy {
-		t.Errorf("other session: %s", s.State)
+	if s := stateOf(t, p, ss[0].ID()); s.State != Healthy || s.Reason != "" {
+		t.Errorf("session with a clean exit ip: %s %q", s.State, s.Reason)
+	}
+	seen := false
+	for range 10 {
+		seen = seen || pickReport(t, p, Request{}, Success).ID() == ss[1].ID()
+	}
+	if !seen {
+		t.Errorf("session with an errored exit ip not picked")
 	}
 }
 

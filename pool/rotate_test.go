@@ -274,24 +274,29 @@ func TestRotationFailing(t *testing.T) {
 	p.Report(u, Success, time.Millisecond)
 	p.Release(u)
 
-	// An errored exit IP: the session is rotated, not used meanwhile, and
-	// when the rotation fails it stays out as provider_error; its key moves.
+	// An errored exit IP: the session is rotated and not used meanwhile;
+	// when the rotation fails it is not excluded for that, and its key stays.
 	key1 := stickyOn(t, p, ss[1].ID())
 	p.SetProviderStatus(7, []string{ss[1].ExitIP}, nil)
 	waitFor(t, "the rotation to start", func() bool { return rot.count() == 2 })
 	if s := stateOf(t, p, ss[1].ID()); s.State != Rotating || s.Reason != "exit ip on the provider's errored list" {
 		t.Errorf("rotating: %s %q", s.State, s.Reason)
 	}
+	for range 6 {
+		if u := pickReport(t, p, Request{}, Success); u.ID() == ss[1].ID() {
+			t.Fatalf("picked the rotating session")
+		}
+	}
 	release <- struct{}{}
 	waitFor(t, "the result", func() bool { return len(rs.get()) == 2 })
 	if got := rs.get(); got[0] != "error" || got[1] != "error" {
 		t.Errorf("results %v", got)
 	}
-	if s := stateOf(t, p, ss[1].ID()); s.State != ProviderError {
-		t.Errorf("after the failed rotation: %s", s.State)
+	if s := stateOf(t, p, ss[1].ID()); s.State != Healthy || s.Reason != "exit ip on the provider's errored list, not rotated yet" {
+		t.Errorf("after the failed rotation: %s %q", s.State, s.Reason)
 	}
-	if u := pickReport(t, p, Request{Key: key1}, Success); u.ID() == ss[1].ID() {
-		t.Errorf("key stayed on an errored exit")
+	if u := pickReport(t, p, Request{Key: key1}, Success); u.ID() != ss[1].ID() {
+		t.Errorf("key moved off a session whose rotation failed: %s", u.ID())
 	}
 	// The next status poll past the interval retries, and a success with a
 	// clean exit IP brings the session back.
@@ -302,7 +307,7 @@ func TestRotationFailing(t *testing.T) {
 	clk.Advance(30 * time.Second)
 	p.SetProviderStatus(7, []string{ss[1].ExitIP}, nil)
 	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 3 })
-	if s := stateOf(t, p, ss[1].ID()); s.State != Healthy || s.ExitIP != "203.0.113.200" {
+	if s := stateOf(t, p, ss[1].ID()); s.State != Healthy || s.ExitIP != "203.0.113.200" || s.Reason != "" {
 		t.Errorf("after a successful rotation: %+v", s)
 	}
 }
