@@ -12,5 +12,6 @@
 // sharded table; a failing ppr sticky session is rotated through a Rotator.
 //
 // Left out: dialing and relaying (forward), talking to the provider (agent,
-// which implements Rotator), metrics (which read Explain at scrape time).
+// which implements Rotator), metrics (which read Explain or Listeners at
+// scrape time).
 package pool
