@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -177,5 +178,24 @@ func TestExampleConfig(t *testing.T) {
 	}
 	if errs := wireProblems(&cfg); len(errs) > 0 {
 		t.Error(errs)
+	}
+}
+
+func TestCheckCommand(t *testing.T) {
+	run := func(path string) (int, string) {
+		var out, errb strings.Builder
+		code := runMain(context.Background(), []string{"check", "-config", path}, stdio{out: &out, err: &errb, getenv: func(string) string { return "" }})
+		return code, out.String() + errb.String()
+	}
+	code, out := run(filepath.Join("testdata", "config", "bad_values.toml"))
+	if code != 1 || !strings.Contains(out, "11 problem(s)") || strings.Count(out, "bad_values.toml: ") != 11 {
+		t.Errorf("bad config: exit %d\n%s", code, out)
+	}
+	code, out = run(filepath.Join("testdata", "config", "good_full.toml"))
+	if code != 0 || !strings.Contains(out, "ok (2 listeners)") {
+		t.Errorf("good config: exit %d\n%s", code, out)
+	}
+	if code, _ := run(filepath.Join("testdata", "config", "missing.toml")); code != 1 {
+		t.Errorf("missing file: exit %d", code)
 	}
 }
