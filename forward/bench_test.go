@@ -2,20 +2,22 @@ package forward
 
 import (
 	"bufio"
-	"context"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/url"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/net/proxy"
 
-	"github.com/proxyd/proxyd/forward/socks5"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -78,7 +80,7 @@ func tunnelVia(protocol pool.Protocol, proxyAddr, dest string) (net.Conn, io.Rea
 	return c, br, nil
 }
 
-func upstreamFor(b *testing.B, protocol pool.Protocol) *pool.Upstream {
+func upstreamFor(b testing.TB, protocol pool.Protocol) *pool.Upstream {
 	if protocol == pool.SOCKS5 {
 		return newSOCKSUpstream(b, "", "", nil).upstream(1)
 	}
@@ -87,7 +89,7 @@ func upstreamFor(b *testing.B, protocol pool.Protocol) *pool.Upstream {
 
 // timeLoad runs load with c workers each doing ops operations and returns
 // the wall time.
-func timeLoad(b *testing.B, c, ops int, op func() error) time.Duration {
+func timeLoad(b testing.TB, c, ops int, op func() error) time.Duration {
 	b.Helper()
 	var wg sync.WaitGroup
 	errs := make(chan error, c)
@@ -119,126 +121,230 @@ func reportRatio(b *testing.B, direct, proxied time.Duration, unit string, amoun
 	b.ReportMetric(direct.Seconds()/proxied.Seconds(), "ratio")
 }
 
-func BenchmarkTunnelThroughput(b *testing.B) {
-	const perStream = 256 << 20
+// benchLoad is one load of the benchmarks. serve starts the destination and
+// the upstream and returns the upstream and the target the clients use;
+// client returns the operation to time against a proxy address (the
+// upstream itself for the baseline, proxyd otherwise).
+type benchLoad struct {
+	name     string
+	protocol pool.Protocol // of the listener and the upstream
+	c, ops   int           // workers, operations per worker
+	unit     string
+	amount   float64 // of unit per operation
+	serve    func(tb testing.TB) (up *pool.Upstream, target string)
+	client   func(tb testing.TB, target string) func(proxyAddr string) func() error
+}
+
+func benchLoads() []benchLoad {
+	var loads []benchLoad
+	const volume = 256 << 20
 	for _, protocol := range []pool.Protocol{pool.HTTP, pool.SOCKS5} {
 		for _, streams := range []int{1, 16} {
-			b.Run(fmt.Sprintf("%s/streams=%d", protocol, streams), func(b *testing.B) {
-				n := perStream / streams
-				src := startTCP(b, "tcp", "127.0.0.1:0", sourceServe(n))
-				up := upstreamFor(b, protocol)
-				addr := benchListener(b, Config{Protocol: string(protocol)}, newFakePool(up))
-				download := func(proxyAddr string) func() error {
-					return func() error {
-						c, r, err := tunnelVia(protocol, proxyAddr, src)
-						if err != nil {
+			n := volume / streams
+			loads = append(loads, benchLoad{
+				name: fmt.Sprintf("throughput/%s/streams=%d", protocol, streams), protocol: protocol,
+				c: streams, ops: 1, unit: "MB/s", amount: float64(n) / 1e6,
+				serve: func(tb testing.TB) (*pool.Upstream, string) {
+					return upstreamFor(tb, protocol), startTCP(tb, "tcp", "127.0.0.1:0", sourceServe(n))
+				},
+				client: func(_ testing.TB, src string) func(string) func() error {
+					return func(proxyAddr string) func() error {
+						return func() error {
+							c, r, err := tunnelVia(protocol, proxyAddr, src)
+							if err != nil {
+								return err
+							}
+							defer c.Close()
+							got, err := io.Copy(io.Discard, struct{ io.Reader }{r})
+							if err == nil && got != int64(n) {
+								err = fmt.Errorf("got %d bytes, want %d", got, n)
+							}
 							return err
 						}
-						defer c.Close()
-						got, err := io.Copy(io.Discard, struct{ io.Reader }{r})
-						if err == nil && got != int64(n) {
-							err = fmt.Errorf("got %d bytes, want %d", got, n)
-						}
-						return err
 					}
-				}
-				var direct, proxied time.Duration
-				for b.Loop() {
-					direct += timeLoad(b, streams, 1, download(up.Address))
-					proxied += timeLoad(b, streams, 1, download(addr))
-				}
-				reportRatio(b, direct, proxied, "MB/s", float64(b.N)*float64(perStream)/1e6)
+				},
 			})
 		}
 	}
-}
-
-func BenchmarkPlainKeepAlive(b *testing.B) {
 	for _, c := range []int{1, 32} {
-		b.Run(fmt.Sprintf("c=%d", c), func(b *testing.B) {
-			benchPlain(b, c, true)
+		loads = append(loads, plainLoad(fmt.Sprintf("keepalive/c=%d", c), c, 3000/c, true))
+	}
+	loads = append(loads, plainLoad("newconn/c=32", 32, 1000/32, false))
+	for _, protocol := range []pool.Protocol{pool.HTTP, pool.SOCKS5} {
+		loads = append(loads, benchLoad{
+			name: fmt.Sprintf("setup/%s/c=32", protocol), protocol: protocol,
+			c: 32, ops: 1500 / 32, unit: "setups/s", amount: 1,
+			serve: func(tb testing.TB) (*pool.Upstream, string) {
+				return upstreamFor(tb, protocol), startTCP(tb, "tcp", "127.0.0.1:0", echoServe)
+			},
+			client: func(_ testing.TB, echo string) func(string) func() error {
+				return func(proxyAddr string) func() error {
+					return func() error {
+						conn, r, err := tunnelVia(protocol, proxyAddr, echo)
+						if err != nil {
+							return err
+						}
+						defer conn.Close()
+						if _, err := conn.Write([]byte{1}); err != nil {
+							return err
+						}
+						var one [1]byte
+						_, err = io.ReadFull(r, one[:])
+						return err
+					}
+				}
+			},
 		})
 	}
+	return loads
 }
 
-func BenchmarkPlainNewConnection(b *testing.B) {
-	b.Run("c=32", func(b *testing.B) { benchPlain(b, 32, false) })
-}
-
-func benchPlain(b *testing.B, c int, keepAlive bool) {
-	body := make([]byte, 1024)
-	origin, _ := startOrigin(b, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		_, _ = w.Write(body)
-	}))
-	up := newHTTPUpstream(b, "", "", nil)
-	addr := benchListener(b, Config{}, newFakePool(up.upstream(1)))
-	client := func(proxyAddr string) *http.Client {
-		tr := &http.Transport{
-			Proxy:               http.ProxyURL(&url.URL{Scheme: "http", Host: proxyAddr}),
-			DisableKeepAlives:   !keepAlive,
-			MaxIdleConnsPerHost: c,
-		}
-		b.Cleanup(tr.CloseIdleConnections)
-		return &http.Client{Transport: tr}
-	}
-	get := func(hc *http.Client) func() error {
-		return func() error {
-			resp, err := hc.Get("http://" + origin + "/")
-			if err != nil {
-				return err
-			}
-			_, _ = io.Copy(io.Discard, resp.Body)
-			return resp.Body.Close()
-		}
-	}
-	ops := 3000 / c
-	if !keepAlive {
-		ops = 1000 / c
-	}
-	dc, pc := client(up.ln.Addr().String()), client(addr)
-	// Warm both paths (connections, pools).
-	timeLoad(b, c, 2, get(dc))
-	timeLoad(b, c, 2, get(pc))
-	var direct, proxied time.Duration
-	for b.Loop() {
-		direct += timeLoad(b, c, ops, get(dc))
-		proxied += timeLoad(b, c, ops, get(pc))
-	}
-	reportRatio(b, direct, proxied, "req/s", float64(b.N*ops*c))
-}
-
-func BenchmarkTunnelSetup(b *testing.B) {
-	for _, protocol := range []pool.Protocol{pool.HTTP, pool.SOCKS5} {
-		b.Run(fmt.Sprintf("%s/c=32", protocol), func(b *testing.B) {
-			const c = 32
-			echo := startTCP(b, "tcp", "127.0.0.1:0", echoServe)
-			up := upstreamFor(b, protocol)
-			addr := benchListener(b, Config{Protocol: string(protocol)}, newFakePool(up))
-			setup := func(proxyAddr string) func() error {
+func plainLoad(name string, c, ops int, keepAlive bool) benchLoad {
+	return benchLoad{
+		name: name, protocol: pool.HTTP, c: c, ops: ops, unit: "req/s", amount: 1,
+		serve: func(tb testing.TB) (*pool.Upstream, string) {
+			body := make([]byte, 1024)
+			origin, _ := startOrigin(tb, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+				_, _ = w.Write(body)
+			}))
+			return newHTTPUpstream(tb, "", "", nil).upstream(1), origin
+		},
+		client: func(tb testing.TB, origin string) func(string) func() error {
+			clients := map[string]*http.Client{}
+			var mu sync.Mutex
+			return func(proxyAddr string) func() error {
+				mu.Lock()
+				hc := clients[proxyAddr]
+				if hc == nil {
+					tr := &http.Transport{
+						Proxy:               http.ProxyURL(&url.URL{Scheme: "http", Host: proxyAddr}),
+						DisableKeepAlives:   !keepAlive,
+						MaxIdleConnsPerHost: c,
+					}
+					tb.Cleanup(tr.CloseIdleConnections)
+					hc = &http.Client{Transport: tr}
+					clients[proxyAddr] = hc
+				}
+				mu.Unlock()
 				return func() error {
-					conn, r, err := tunnelVia(protocol, proxyAddr, echo)
+					resp, err := hc.Get("http://" + origin + "/")
 					if err != nil {
 						return err
 					}
-					defer conn.Close()
-					if _, err := conn.Write([]byte{1}); err != nil {
-						return err
-					}
-					var one [1]byte
-					_, err = io.ReadFull(r, one[:])
-					return err
+					_, _ = io.Copy(io.Discard, resp.Body)
+					return resp.Body.Close()
 				}
 			}
-			const ops = 1500 / c
-			var direct, proxied time.Duration
-			for b.Loop() {
-				direct += timeLoad(b, c, ops, setup(up.Address))
-				proxied += timeLoad(b, c, ops, setup(addr))
-			}
-			reportRatio(b, direct, proxied, "setups/s", float64(b.N*ops*c))
+		},
+	}
+}
+
+// measure warms both paths, then times the load straight to the upstream
+// and through proxyd, rounds times each.
+func (ld benchLoad) measure(tb testing.TB, op func(string) func() error, upAddr, proxydAddr string, rounds int) (direct, proxied time.Duration) {
+	timeLoad(tb, ld.c, 1, op(upAddr))
+	timeLoad(tb, ld.c, 1, op(proxydAddr))
+	for range rounds {
+		direct += timeLoad(tb, ld.c, ld.ops, op(upAddr))
+		proxied += timeLoad(tb, ld.c, ld.ops, op(proxydAddr))
+	}
+	return direct, proxied
+}
+
+// BenchmarkInProcess runs load, upstream, destination and proxyd in this
+// process.
+func BenchmarkInProcess(b *testing.B) {
+	for _, ld := range benchLoads() {
+		b.Run(ld.name, func(b *testing.B) {
+			up, target := ld.serve(b)
+			addr := benchListener(b, Config{Protocol: string(ld.protocol)}, newFakePool(up))
+			direct, proxied := ld.measure(b, ld.client(b, target), up.Address, addr, b.N)
+			reportRatio(b, direct, proxied, ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
 		})
 	}
 }
 
-var _ = context.Background
-var _ = socks5.ReplySucceeded
+// BenchmarkSeparateProcesses runs each party in its own process, as in
+// production: the upstream and the destination in one child process, the
+// load (the clients) in another, proxyd alone in this one. Both children are
+// this test binary re-executed as TestBenchHelper.
+func BenchmarkSeparateProcesses(b *testing.B) {
+	for _, ld := range benchLoads() {
+		b.Run(ld.name, func(b *testing.B) {
+			server := startHelper(b, "serve", ld.name, b.N)
+			upAddr := server.next("UPSTREAM ")
+			target := server.next("TARGET ")
+			up := &pool.Upstream{Service: 1, Protocol: ld.protocol, Address: upAddr}
+			addr := benchListener(b, Config{Protocol: string(ld.protocol)}, newFakePool(up))
+			load := startHelper(b, "load", ld.name, b.N)
+			fmt.Fprintf(load.stdin, "%s %s %s\n", upAddr, target, addr)
+			var d, p float64
+			if _, err := fmt.Sscan(load.next("RESULT "), &d, &p); err != nil {
+				b.Fatal(err)
+			}
+			reportRatio(b, time.Duration(d*1e9), time.Duration(p*1e9), ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
+		})
+	}
+}
+
+type helperProc struct {
+	tb    testing.TB
+	stdin io.WriteCloser
+	lines *bufio.Scanner
+}
+
+func startHelper(tb testing.TB, role, load string, rounds int) *helperProc {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestBenchHelper$")
+	cmd.Env = append(os.Environ(), benchHelperEnv+"="+role, "FORWARD_LOAD="+load, "FORWARD_LOAD_ROUNDS="+strconv.Itoa(rounds))
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
+	return &helperProc{tb: tb, stdin: stdin, lines: bufio.NewScanner(stdout)}
+}
+
+func (h *helperProc) next(prefix string) string {
+	for h.lines.Scan() {
+		if v, ok := strings.CutPrefix(h.lines.Text(), prefix); ok {
+			return v
+		}
+	}
+	h.tb.Fatalf("helper ended before %q", prefix)
+	return ""
+}
+
+const benchHelperEnv = "FORWARD_BENCH_HELPER"
+
+// TestBenchHelper is a child of BenchmarkSeparateProcesses: role "serve"
+// runs a load's upstream and destination until stdin closes, role "load"
+// times its clients straight to the upstream and through proxyd.
+func TestBenchHelper(t *testing.T) {
+	role := os.Getenv(benchHelperEnv)
+	if role == "" {
+		t.Skip("child process of BenchmarkSeparateProcesses")
+	}
+	name := os.Getenv("FORWARD_LOAD")
+	rounds, _ := strconv.Atoi(os.Getenv("FORWARD_LOAD_ROUNDS"))
+	for _, ld := range benchLoads() {
+		if ld.name != name {
+			continue
+		}
+		if role == "serve" {
+			up, target := ld.serve(t)
+			fmt.Printf("UPSTREAM %s\nTARGET %s\n", up.Address, target)
+			_, _ = io.Copy(io.Discard, os.Stdin)
+			return
+		}
+		var upAddr, target, proxydAddr string
+		if _, err := fmt.Fscan(os.Stdin, &upAddr, &target, &proxydAddr); err != nil {
+			t.Fatal(err)
+		}
+		direct, proxied := ld.measure(t, ld.client(t, target), upAddr, proxydAddr, rounds)
+		fmt.Printf("RESULT %f %f\n", direct.Seconds(), proxied.Seconds())
+		return
+	}
+	t.Fatalf("no load %q", name)
+}
