@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"golang.org/x/net/proxy"
+	"golang.org/x/net/websocket"
 
 	"github.com/proxyd/proxyd/pool"
 )
@@ -229,6 +230,19 @@ func TestSquidUpstream(t *testing.T) {
 	addr := startSquid(t, "squser", "s:cret")
 	up := &pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: addr, Username: "squser", Password: "s:cret"}
 	interopSuite(t, up)
+
+	// A WebSocket through Squid (a CONNECT tunnel to the origin).
+	wsOrigin := wsEchoServer(t, "bye")
+	wtl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+	ws := dialWS(t, wtl.addr, wsOrigin)
+	if err := websocket.Message.Send(ws, "hi"); err != nil {
+		t.Fatal(err)
+	}
+	var msg string
+	if err := websocket.Message.Receive(ws, &msg); err != nil || msg != "echo:hi" {
+		t.Errorf("websocket through Squid: %q %v", msg, err)
+	}
+	_ = ws.Close()
 
 	// Wrong credentials: auth_rejected, and the next upstream serves.
 	bad := &pool.Upstream{Service: 2, Protocol: pool.HTTP, Address: addr, Username: "squser", Password: "nope"}
