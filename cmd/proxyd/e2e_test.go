@@ -537,3 +537,130 @@ func TestAdminBearerToken(t *testing.T) {
 		t.Errorf("/healthz stays open for liveness checks: %d", code)
 	}
 }
+
+// TestDaemonReloadListeners moves one listener and removes another: the
+// tunnel open on the removed one carries on until it is done, the moved one
+// answers on its new address only, and the one that did not change keeps its
+// connections.
+func TestDaemonReloadListeners(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) {
+		extra := defaultListener()
+		extra.Name, extra.Protocol, extra.Upstream, extra.Address = "extra", "http", "http", "127.0.0.1:0"
+		extra.AllowDestinations = []string{"127.0.0.0/8"}
+		c.Listener = append(c.Listener, extra)
+	})
+	e.waitReady()
+	oldHTTP, socksAddr, extraAddr := e.d.listenerAddr("http"), e.d.listenerAddr("socks"), e.d.listenerAddr("extra")
+
+	// Tunnels that stay open across the reload: one on the unchanged
+	// listener (socks), one on the listener that goes away (extra).
+	echo := echoServer(t)
+	d, _ := proxy.SOCKS5("tcp", socksAddr, nil, proxy.Direct)
+	socksTunnel, err := d.Dial("tcp", echo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer socksTunnel.Close()
+	extraTunnel := connectTunnel(t, extraAddr, echo)
+	defer extraTunnel.Close()
+	roundTrip(t, socksTunnel, "before")
+	roundTrip(t, extraTunnel, "before")
+
+	next := e.cfg
+	next.Listener = []listenerConfig{e.cfg.Listener[0], e.cfg.Listener[1]}
+	next.Listener[0].Address = freePort(t) // http moves
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	e.cfg = next
+	if got := e.d.listenerAddr("socks"); got != socksAddr {
+		t.Errorf("the unchanged listener moved: %s → %s", socksAddr, got)
+	}
+	if e.d.listenerAddr("extra") != "" {
+		t.Error("the removed listener is still served")
+	}
+	roundTrip(t, socksTunnel, "after")
+	roundTrip(t, extraTunnel, "after") // draining, not cut
+	e.mustGet("http", "")
+	e.mustGet("socks", "")
+	waitFor(t, "the old addresses to stop accepting", 5*time.Second, func() bool {
+		for _, a := range []string{oldHTTP, extraAddr} {
+			if c, err := net.DialTimeout("tcp", a, time.Second); err == nil {
+				c.Close()
+				return false
+			}
+		}
+		return true
+	})
+	// A reload that cannot bind keeps the running config.
+	busy := e.cfg
+	busy.Listener = append([]listenerConfig{}, e.cfg.Listener...)
+	busy.Listener[1].Address = e.w.simURL[len("http://"):] // taken
+	if err := e.d.Reload(busy); err == nil {
+		t.Fatal("a reload onto a taken address must fail")
+	}
+	e.mustGet("socks", "")
+	_, body := e.admin("/metrics")
+	if !strings.Contains(body, "proxyd_config_last_reload_successful 0") {
+		t.Errorf("reload metric:\n%s", grepLines(body, "reload"))
+	}
+}
+
+func echoServer(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() { defer wg.Done(); defer c.Close(); io.Copy(c, c) }()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+func connectTunnel(t *testing.T, proxyAddr, dest string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", proxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", dest, dest)
+	// Read the answer head byte by byte so nothing of the tunnel is consumed.
+	var head []byte
+	b := make([]byte, 1)
+	for !bytes.HasSuffix(head, []byte("\r\n\r\n")) {
+		if _, err := c.Read(b); err != nil {
+			t.Fatalf("CONNECT answer: %v (%q)", err, head)
+		}
+		head = append(head, b[0])
+	}
+	if !bytes.HasPrefix(head, []byte("HTTP/1.1 200")) {
+		t.Fatalf("CONNECT answer %q", head)
+	}
+	return c
+}
+
+func roundTrip(t *testing.T, c net.Conn, msg string) {
+	t.Helper()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	defer c.SetDeadline(time.Time{})
+	if _, err := io.WriteString(c, msg); err != nil {
+		t.Fatalf("writing %q: %v", msg, err)
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, got); err != nil || string(got) != msg {
+		t.Fatalf("echo of %q: %q %v", msg, got, err)
+	}
+}
