@@ -505,3 +505,46 @@ func TestConnectUpstreamSendsEarly(t *testing.T) {
 		_ = c.Close()
 	}
 }
+
+// TestManyTunnelsPingPong: many tunnels exchanging small messages at once;
+// a relay that lost a wake-up would leave one of them hanging.
+func TestManyTunnelsPingPong(t *testing.T) {
+	checkLeaks(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	up := newSOCKSUpstream(t, "", "", nil)
+	tl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, newFakePool(up.upstream(1)))
+	d, _ := proxy.SOCKS5("tcp", tl.addr, nil, proxy.Direct)
+	const tunnels, rounds = 150, 30
+	var wg sync.WaitGroup
+	errs := make(chan error, tunnels)
+	for i := range tunnels {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := d.Dial("tcp", echo)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(15 * time.Second))
+			buf := make([]byte, 1+i%3)
+			for r := range rounds {
+				msg := bytes.Repeat([]byte{byte(r)}, len(buf))
+				if _, err := c.Write(msg); err != nil {
+					errs <- err
+					return
+				}
+				if _, err := io.ReadFull(c, buf); err != nil || !bytes.Equal(buf, msg) {
+					errs <- fmt.Errorf("tunnel %d round %d: %q %v", i, r, buf, err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
