@@ -27,6 +27,7 @@ import (
 // Close are what end-to-end tests drive.
 type daemon struct {
 	log     *slog.Logger
+	level   *slog.LevelVar
 	getenv  func(string) string
 	notify  *notifier
 	reg     *prometheus.Registry
@@ -61,6 +62,7 @@ type runningListener struct {
 type daemonOptions struct {
 	getenv func(string) string
 	logger *slog.Logger
+	level  *slog.LevelVar // the logger's level, set on reload; may be nil
 }
 
 func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
@@ -69,10 +71,11 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 	}
 	logger := opts.logger
 	if logger == nil {
-		logger = newLogger(cfg.Log, os.Stderr)
+		logger, opts.level = newLogger(cfg.Log, os.Stderr)
 	}
 	d := &daemon{
 		log:       logger,
+		level:     opts.level,
 		getenv:    opts.getenv,
 		notify:    newNotifier(opts.getenv),
 		reg:       prometheus.NewRegistry(),
@@ -312,7 +315,7 @@ func (d *daemon) Reload(next config) error {
 	defer d.mu.Unlock()
 	if !reflect.DeepEqual(next.API, d.cfg.API) || !reflect.DeepEqual(next.Poll, d.cfg.Poll) ||
 		!reflect.DeepEqual(next.Pool, d.cfg.Pool) || next.State != d.cfg.State || next.Admin != d.cfg.Admin {
-		d.log.Warn("reload: only [[listener]], [log] and [shutdown] changes take effect without a restart; other sections keep their running values")
+		d.log.Warn("reload: only [[listener]], [log] level and [shutdown] changes take effect without a restart; other sections keep their running values")
 	}
 	// Start the new and changed listeners first; only when all bound do the
 	// old incarnations go.
@@ -345,7 +348,13 @@ func (d *daemon) Reload(next config) error {
 	}
 	d.pool.SetListeners(listenerSlices(next.Listener))
 	d.cfg.Listener = next.Listener
-	d.cfg.Log = next.Log
+	if next.Log.Format != d.cfg.Log.Format {
+		d.log.Warn("reload: a new [log] format takes effect at the next restart")
+	}
+	if d.level != nil {
+		d.level.Set(logLevel(next.Log.Level))
+	}
+	d.cfg.Log.Level = next.Log.Level
 	d.cfg.Shutdown = next.Shutdown
 	drain := next.Shutdown.DrainTimeout.D()
 	for _, rl := range retire {

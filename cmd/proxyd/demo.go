@@ -227,7 +227,7 @@ func cmdDemo(ctx context.Context, args []string, io stdio) int {
 	}
 	defer os.RemoveAll(stateDir)
 
-	logger := newLogger(logConfig{Level: "info", Format: "text"}, io.err)
+	logger, _ := newLogger(logConfig{Level: "info", Format: "text"}, io.err)
 	cfg := demoConfig(w, *httpAddr, *socksAddr, *adminAddr, filepath.Join(stateDir, "state"))
 	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
 	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: logger})

@@ -664,3 +664,31 @@ func roundTrip(t *testing.T, c net.Conn, msg string) {
 		t.Fatalf("echo of %q: %q %v", msg, got, err)
 	}
 }
+
+func TestReloadLogLevel(t *testing.T) {
+	w := newWorld(t)
+	cfg := demoConfig(w, "127.0.0.1:0", "127.0.0.1:0", "", t.TempDir())
+	quietPolls(&cfg)
+	out := &lockedWriter{w: &strings.Builder{}}
+	logger, level := newLogger(cfg.Log, out)
+	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
+	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: logger, level: level})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- d.Run(context.Background()) }()
+	defer func() { d.Close(); <-done }()
+	<-d.ready
+	if logger.Enabled(context.Background(), slog.LevelDebug) {
+		t.Fatal("debug logging before the reload")
+	}
+	next := cfg
+	next.Log.Level = "debug"
+	if err := d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	if !logger.Enabled(context.Background(), slog.LevelDebug) {
+		t.Error("the reload did not turn on debug logging")
+	}
+}

@@ -28,8 +28,8 @@ func cmdRun(ctx context.Context, args []string, io stdio) int {
 		fmt.Fprintf(io.err, "proxyd: %s:\n%v\n", *path, err)
 		return 1
 	}
-	logger := newLogger(cfg.Log, io.err)
-	d, err := newDaemon(cfg, daemonOptions{getenv: io.getenv, logger: logger})
+	logger, level := newLogger(cfg.Log, io.err)
+	d, err := newDaemon(cfg, daemonOptions{getenv: io.getenv, logger: logger, level: level})
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd: %v\n", err)
 		return 1
