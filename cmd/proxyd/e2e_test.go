@@ -692,3 +692,25 @@ func TestReloadLogLevel(t *testing.T) {
 		t.Error("the reload did not turn on debug logging")
 	}
 }
+
+func TestDaemonSuspendedServiceLeaves(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	w.sim.SetServiceStatus(demoFPR, "Suspended")
+	e.pollOnce(agent.LoopAccount)
+	waitFor(t, "service 101 to leave the pool", 5*time.Second, func() bool {
+		for _, u := range e.poolState().Upstreams {
+			if u.Service == demoFPR && u.State != pool.Draining {
+				return false
+			}
+		}
+		return true
+	})
+	// The ppr service still serves the http listener.
+	for i := 0; i < 4; i++ {
+		if via := e.mustGet("http", ""); !strings.HasPrefix(via, "ppr-") {
+			t.Fatalf("request went via %s after service %d was suspended", via, demoFPR)
+		}
+	}
+}
