@@ -101,6 +101,7 @@ type Snapshot struct {
 	ListsUpdated time.Time      // end of the last lists round in which every fetch succeeded
 	Services     []ServiceState // served services, by ID
 	Dropped      []int          // services known but not served (Suspended, Terminated, Cancelled, …)
+	Wanted       []int          // the services meant to be served: configured, or the account's Active ones
 	Credit       float64
 	CreditKnown  bool
 	Accounts     []ServiceItem // every service of the account, as listed
@@ -122,6 +123,9 @@ type Poller struct {
 	pending  map[string]int // list key → size of an unconfirmed small list
 	lastGood map[string]int // list key → size of the last list swapped in
 
+	protocols []string // guarded by mu; starts as cfg.Protocols
+	kicks     [numLoops]chan struct{}
+
 	beats  [numLoops]atomic.Int64 // unix nanos of each loop's last heartbeat
 	rounds [numLoops]atomic.Int64 // rounds completed, successful or not
 }
@@ -140,8 +144,10 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 	}
 	p := &Poller{client: c, cfg: cfg, onChange: onChange, log: logger, now: time.Now,
 		services: map[int]*ServiceState{}, pending: map[string]int{}, lastGood: map[string]int{}}
+	p.protocols = slices.Clone(cfg.Protocols)
 	for i := range p.beats {
 		p.beats[i].Store(p.now().UnixNano())
+		p.kicks[i] = make(chan struct{}, 1)
 	}
 	return p, nil
 }
@@ -156,12 +162,8 @@ func (p *Poller) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if l != LoopAccount {
-				select {
-				case <-first:
-				case <-ctx.Done():
-					return
-				}
+			if l != LoopAccount && !p.waitFirst(ctx, l, first) {
+				return
 			}
 			p.loop(ctx, l, intervals[l], func() {
 				if l == LoopAccount {
@@ -176,6 +178,23 @@ func (p *Poller) Run(ctx context.Context) error {
 	}
 	wg.Wait()
 	return nil
+}
+
+// waitFirst waits for the account loop's first round, beating meanwhile:
+// a slow API at start must not look like a stuck loop.
+func (p *Poller) waitFirst(ctx context.Context, l Loop, first <-chan struct{}) bool {
+	hb := time.NewTicker(heartbeatEvery)
+	defer hb.Stop()
+	for {
+		p.beat(l)
+		select {
+		case <-first:
+			return true
+		case <-ctx.Done():
+			return false
+		case <-hb.C:
+		}
+	}
 }
 
 // heartbeatEvery is how often an idle loop shows it is alive.
@@ -220,7 +239,43 @@ func (p *Poller) sleep(ctx context.Context, l Loop, d time.Duration) bool {
 			return false
 		case <-t.C:
 			return true
+		case <-p.kicks[l]:
+			return true
 		case <-hb.C:
+		}
+	}
+}
+
+// Kick makes loop l poll now instead of at the end of its wait.
+func (p *Poller) Kick(l Loop) {
+	select {
+	case p.kicks[l] <- struct{}{}:
+	default:
+	}
+}
+
+// SetProtocols changes which upstream protocols the listeners dial, and so
+// which IP lists are fetched (after a reload); the lists loop polls at once.
+func (p *Poller) SetProtocols(protocols []string) {
+	p.mu.Lock()
+	changed := !slices.Equal(p.protocols, protocols)
+	p.protocols = slices.Clone(protocols)
+	p.mu.Unlock()
+	if changed {
+		p.Kick(LoopLists)
+	}
+}
+
+// Seed tells the poller the sizes of the lists the daemon serves from its
+// saved state, so that the first poll after a restart gets the same
+// shrink confirmation as any later one. Keys are "<service>/<list type>"
+// and "<service>/sticky".
+func (p *Poller) Seed(sizes map[string]int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for k, n := range sizes {
+		if _, ok := p.lastGood[k]; !ok {
+			p.lastGood[k] = n
 		}
 	}
 }
@@ -316,6 +371,20 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 		return fmt.Errorf("polling services: %w", err)
 	}
 	p.beat(LoopAccount)
+	p.mu.Lock()
+	listOK := len(p.cfg.Services) > 0 || p.confirm("services", len(items))
+	p.mu.Unlock()
+	if !listOK {
+		// An empty service list, or one far smaller than the last, would
+		// take every upstream away: wait for the next poll to confirm it.
+		p.log.Warn("service list shrank; keeping the served services until the next poll confirms it", "services", len(items))
+		items = nil
+		p.mu.Lock()
+		for id := range p.services {
+			items = append(items, ServiceItem{ServiceID: id, Status: "Active"})
+		}
+		p.mu.Unlock()
+	}
 	want := p.cfg.Services
 	if len(want) == 0 {
 		for _, s := range items {
@@ -348,8 +417,11 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 	p.beat(LoopAccount)
 
 	p.mu.Lock()
-	p.snap.AccountKnown = true
-	p.snap.Accounts = items
+	p.snap.AccountKnown = p.snap.AccountKnown || listOK
+	p.snap.Wanted = slices.Clone(want)
+	if listOK {
+		p.snap.Accounts = items
+	}
 	for id, rec := range records {
 		st := p.services[id]
 		if st == nil {
@@ -394,7 +466,10 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 // listTypes returns the IP list types a service needs (DESIGN.md §2).
 func (p *Poller) listTypes(kind string) []string {
 	var types []string
-	for _, proto := range p.cfg.Protocols {
+	p.mu.Lock()
+	protocols := p.protocols
+	p.mu.Unlock()
+	for _, proto := range protocols {
 		switch {
 		case kind == "ppr" && proto == "http":
 			types = append(types, "ppr-http")
@@ -411,6 +486,7 @@ func (p *Poller) listTypes(kind string) []string {
 
 func (p *Poller) pollLists(ctx context.Context) error {
 	var firstErr error
+	fetched := 0
 	for _, id := range p.served() {
 		p.mu.Lock()
 		st := p.services[id]
@@ -456,10 +532,12 @@ func (p *Poller) pollLists(ctx context.Context) error {
 		p.mu.Lock()
 		st = p.services[id]
 		if st != nil {
+			accepted := true
 			for typ, entries := range lists {
 				if p.confirm(fmt.Sprintf("%d/%s", id, typ), len(entries)) {
 					st.Lists[typ] = entries
 				} else {
+					accepted = false
 					p.log.Warn("IP list shrank; keeping the last good one until the next poll confirms it",
 						"service", id, "type", typ, "entries", len(entries), "last_good", p.lastGood[fmt.Sprintf("%d/%s", id, typ)])
 				}
@@ -467,15 +545,22 @@ func (p *Poller) pollLists(ctx context.Context) error {
 			if stickyOK && kind == "ppr" {
 				if p.confirm(fmt.Sprintf("%d/sticky", id), len(sticky)) {
 					st.Sticky = sticky
+				} else {
+					accepted = false
 				}
 			}
-			if ok {
+			// Known once every list was fetched and swapped in: until then
+			// the daemon keeps serving what it had for this service.
+			if ok && stickyOK && accepted {
 				st.ListsKnown = true
+			}
+			if ok && stickyOK {
+				fetched++
 			}
 		}
 		p.mu.Unlock()
 	}
-	if firstErr == nil {
+	if firstErr == nil && fetched > 0 {
 		p.mu.Lock()
 		p.snap.ListsUpdated = p.now()
 		p.mu.Unlock()
@@ -489,7 +574,7 @@ func (p *Poller) pollLists(ctx context.Context) error {
 // in only when the next poll brings the same size again. Called with p.mu held.
 func (p *Poller) confirm(key string, n int) bool {
 	last, seen := p.lastGood[key]
-	suspicious := seen && (n == 0 || n*2 < last)
+	suspicious := n == 0 && (!seen || last > 0) || seen && n*2 < last
 	if !suspicious {
 		p.lastGood[key] = n
 		delete(p.pending, key)
@@ -581,6 +666,7 @@ func (p *Poller) snapshotLocked() Snapshot {
 	s.Accounts = slices.Clone(p.snap.Accounts)
 	s.Invoices = slices.Clone(p.snap.Invoices)
 	s.Dropped = slices.Clone(p.snap.Dropped)
+	s.Wanted = slices.Clone(p.snap.Wanted)
 	s.Services = make([]ServiceState, 0, len(p.services))
 	for _, st := range p.services {
 		c := *st

@@ -3,8 +3,10 @@ package agent
 import (
 	"context"
 	"errors"
+	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -263,4 +265,106 @@ func TestPollerRotate(t *testing.T) {
 			t.Errorf("snapshot keeps the old exit IP %q", ss.ExitIP)
 		}
 	}
+}
+
+// After a restart the daemon seeds the sizes it serves from its state: an
+// empty or much smaller first list then needs confirmation like any other.
+func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}})
+	p.Seed(map[string]int{"101/http-auth": 3})
+	sim.SetEntries(101, "http-auth", nil)
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if st := serviceByID(p.Snapshot(), 101); st.ListsKnown {
+		t.Fatalf("an unconfirmed empty first list counts as known: %+v", st.Lists)
+	}
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if st := serviceByID(p.Snapshot(), 101); !st.ListsKnown || len(st.Lists["http-auth"]) != 0 {
+		t.Fatalf("the confirmed empty list: known %v, %d entries", st.ListsKnown, len(st.Lists["http-auth"]))
+	}
+
+	// Without a seed, an empty first list needs confirmation as well.
+	q, sim2, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}})
+	sim2.SetEntries(101, "http-auth", nil)
+	q.PollOnce(ctx, LoopAccount)
+	q.PollOnce(ctx, LoopLists)
+	if serviceByID(q.Snapshot(), 101).ListsKnown {
+		t.Fatal("an empty first list was taken without confirmation")
+	}
+}
+
+// An empty service list would take every service away: it needs the next
+// poll to confirm it.
+func TestPollerServiceListShrinkNeedsConfirmation(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, PollConfig{})
+	pollAll(t, p)
+	if n := len(p.Snapshot().Services); n != 3 {
+		t.Fatalf("%d services, want 3", n)
+	}
+	// The provider answers an empty service list once.
+	sim.FailNext(1, 200, "[]")
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(p.Snapshot().Services); n != 3 {
+		t.Fatalf("an empty service list dropped services at once: %d left", n)
+	}
+	sim.FailNext(1, 200, "[]")
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(p.Snapshot().Services); n != 0 {
+		t.Fatalf("the confirmed empty list must drop them: %d left", n)
+	}
+}
+
+func TestPollerAliveDuringSlowAccountRound(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasPrefix(r.URL.Path, "/api/service/") {
+			time.Sleep(900 * time.Millisecond) // each request within its timeout
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	c, _ := New(Config{BaseURL: srv.URL, Token: "sim-token", Timeout: time.Second})
+	p, _ := NewPoller(c, PollConfig{Services: []int{101, 102, 104}}, nil, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); p.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	maxAge := 2 * time.Second // the daemon uses the API timeout + 10s
+	for start := time.Now(); time.Since(start) < 3500*time.Millisecond; time.Sleep(100 * time.Millisecond) {
+		if !p.Alive(maxAge) {
+			t.Fatalf("not alive after %v while every request answered within its timeout", time.Since(start))
+		}
+	}
+}
+
+func TestPollerSetProtocolsFetchesNewLists(t *testing.T) {
+	p, _, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}, IPList: time.Hour, Account: time.Hour, NetworkStatus: time.Hour, Usage: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); p.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(5 * time.Second)
+	for p.Rounds(LoopLists) == 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	p.SetProtocols([]string{"http", "socks5"})
+	for time.Now().Before(deadline) {
+		if st := serviceByID(p.Snapshot(), 101); st != nil && len(st.Lists["socks-ip"]) > 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatal("the socks-ip list was not fetched after SetProtocols")
 }
