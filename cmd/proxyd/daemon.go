@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -9,12 +10,11 @@ import (
 	"os"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"golang.org/x/sys/unix"
 
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/forward"
@@ -36,11 +36,14 @@ type daemon struct {
 	poller  *agent.Poller
 	pool    *pool.Pool
 
-	applyMu   sync.Mutex // serializes apply
+	applyMu   sync.Mutex          // serializes apply
+	status    map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
+	quota     map[int]bool        // quota by service, as last known (guarded by applyMu)
 	mu        sync.Mutex
 	cfg       config
 	listeners map[string]*runningListener
 	admin     *adminServer
+	running   bool // listeners bound and not yet stopping; Reload needs it
 	savedAt   time.Time
 	lastSaved []byte
 	readyOnce sync.Once
@@ -56,6 +59,7 @@ type daemon struct {
 type runningListener struct {
 	cfg  listenerConfig
 	l    *forward.Listener
+	acc  *acceptor     // the bound socket; may pass to the next incarnation
 	done chan struct{} // closed when Serve returned
 }
 
@@ -81,6 +85,8 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 		reg:       prometheus.NewRegistry(),
 		cfg:       cfg,
 		listeners: map[string]*runningListener{},
+		status:    map[int]savedStatus{},
+		quota:     map[int]bool{},
 		ready:     make(chan struct{}),
 		stop:      make(chan struct{}),
 		stopped:   make(chan struct{}),
@@ -162,7 +168,7 @@ func (d *daemon) Run(ctx context.Context) error {
 	d.mu.Lock()
 	cfg := d.cfg
 	for _, lc := range cfg.Listener {
-		if err := d.startListener(lc); err != nil {
+		if err := d.startListener(lc, nil); err != nil {
 			d.mu.Unlock()
 			d.closeListeners()
 			return err
@@ -175,6 +181,7 @@ func (d *daemon) Run(ctx context.Context) error {
 		return err
 	}
 	d.admin = admin
+	d.running = true
 	d.mu.Unlock()
 
 	bg, stopBG := context.WithCancel(context.Background())
@@ -191,8 +198,11 @@ func (d *daemon) Run(ctx context.Context) error {
 
 	<-ctx.Done()
 	d.notify.stopping()
-	d.log.Info("stopping: draining connections", "timeout", cfg.Shutdown.DrainTimeout.D())
-	drain, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.DrainTimeout.D())
+	d.mu.Lock()
+	timeout := d.cfg.Shutdown.DrainTimeout.D() // a reload may have changed it
+	d.mu.Unlock()
+	d.log.Info("stopping: draining connections", "timeout", timeout)
+	drain, cancel := context.WithTimeout(context.Background(), timeout)
 	d.shutdownListeners(drain)
 	cancel()
 	stopBG()
@@ -214,7 +224,7 @@ func (d *daemon) listenerAddr(name string) string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if rl, ok := d.listeners[name]; ok {
-		return rl.l.Addr().String()
+		return rl.acc.ln.Addr().String()
 	}
 	return ""
 }
@@ -229,24 +239,9 @@ func (d *daemon) adminAddr() string {
 	return d.admin.ln.Addr().String()
 }
 
-// listen binds with SO_REUSEPORT so that a reload can bind a listener's
-// new incarnation before the old one lets go of the address.
-func listen(address string) (net.Listener, error) {
-	lc := net.ListenConfig{Control: func(network, address string, c syscall.RawConn) error {
-		var serr error
-		err := c.Control(func(fd uintptr) {
-			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
-		})
-		if err != nil {
-			return err
-		}
-		return serr
-	}}
-	return lc.Listen(context.Background(), "tcp", address)
-}
-
-// startListener binds and serves one listener; d.mu is held.
-func (d *daemon) startListener(lc listenerConfig) error {
+// startListener serves one listener on acc, or on a fresh socket bound to
+// its address when acc is nil; d.mu is held.
+func (d *daemon) startListener(lc listenerConfig, acc *acceptor) error {
 	fc, err := forwardConfig(lc)
 	if err != nil {
 		return err
@@ -255,35 +250,49 @@ func (d *daemon) startListener(lc listenerConfig) error {
 	if err != nil {
 		return fmt.Errorf("listener %s: %w", lc.Name, err)
 	}
-	ln, err := listen(lc.Address)
-	if err != nil {
-		return fmt.Errorf("listener %s: %w", lc.Name, err)
+	if acc == nil {
+		ln, err := net.Listen("tcp", lc.Address)
+		if err != nil {
+			return fmt.Errorf("listener %s: %w", lc.Name, err)
+		}
+		acc = newAcceptor(ln, d.log.With("listener", lc.Name))
 	}
-	rl := &runningListener{cfg: lc, l: l, done: make(chan struct{})}
+	rl := &runningListener{cfg: lc, l: l, acc: acc, done: make(chan struct{})}
 	d.listeners[lc.Name] = rl
+	hl := acc.attach()
 	d.wg.Add(1)
 	go func() {
 		defer d.wg.Done()
 		defer close(rl.done)
-		if err := l.Serve(ln); err != nil {
+		// Serve ends when its handoff listener closes: a reload handed the
+		// socket on, or proxyd is stopping; the acceptor logs a socket that
+		// failed on its own.
+		if err := l.Serve(hl); err != nil && !errors.Is(err, net.ErrClosed) {
 			d.log.Error("listener stopped", "listener", lc.Name, "err", err)
 		}
 	}()
 	return nil
 }
 
+// shutdownListeners stops every accept at once, then lets the open
+// connections finish until ctx ends.
 func (d *daemon) shutdownListeners(ctx context.Context) {
 	d.mu.Lock()
+	d.running = false
 	ls := make([]*runningListener, 0, len(d.listeners))
 	for _, rl := range d.listeners {
 		ls = append(ls, rl)
 	}
 	d.mu.Unlock()
+	for _, rl := range ls {
+		rl.acc.close()
+	}
 	var wg sync.WaitGroup
 	for _, rl := range ls {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			settle(ctx, rl.l)
 			if err := rl.l.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 				d.log.Warn("listener shutdown", "listener", rl.cfg.Name, "err", err)
 			}
@@ -297,6 +306,7 @@ func (d *daemon) closeListeners() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for name, rl := range d.listeners {
+		rl.acc.close()
 		rl.l.Close()
 		delete(d.listeners, name)
 	}
@@ -305,6 +315,12 @@ func (d *daemon) closeListeners() {
 // Reload swaps in a new config: listeners added, removed or changed without
 // touching the ones that stay the same. On error the old config stays.
 func (d *daemon) Reload(next config) error {
+	d.mu.Lock()
+	running := d.running
+	d.mu.Unlock()
+	if !running {
+		return errors.New("not reloading: proxyd is starting or stopping")
+	}
 	d.notify.reloading()
 	defer d.notify.ready()
 	if errs := wireProblems(&next); len(errs) > 0 {
@@ -313,31 +329,64 @@ func (d *daemon) Reload(next config) error {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if !d.running {
+		return errors.New("not reloading: proxyd is starting or stopping")
+	}
 	if !reflect.DeepEqual(next.API, d.cfg.API) || !reflect.DeepEqual(next.Poll, d.cfg.Poll) ||
 		!reflect.DeepEqual(next.Pool, d.cfg.Pool) || next.State != d.cfg.State || next.Admin != d.cfg.Admin {
 		d.log.Warn("reload: only [[listener]], [log] level and [shutdown] changes take effect without a restart; other sections keep their running values")
 	}
-	// Start the new and changed listeners first; only when all bound do the
-	// old incarnations go.
-	var started []string
-	var retire []*runningListener
+	// Listeners whose settings are unchanged keep running. The others get
+	// a new incarnation: on the socket already bound to their address if
+	// there is one (so its backlog is kept), else on a new socket. Only
+	// when all are in place do the old incarnations drain.
 	old := d.listeners
+	byAddr := map[string]*runningListener{}
+	for _, rl := range old {
+		byAddr[rl.cfg.Address] = rl
+		byAddr[rl.acc.ln.Addr().String()] = rl // a ":0" address, as bound
+	}
+	type handover struct {
+		acc   *acceptor
+		owner *runningListener
+	}
+	var fresh []*runningListener // incarnations started by this reload
+	var took []handover          // sockets handed from an old incarnation
 	d.listeners = map[string]*runningListener{}
+	undo := func(err error) error {
+		d.listeners = old
+		for _, h := range took {
+			d.reattach(h.owner) // give the socket back to its owner
+		}
+		for _, rl := range fresh {
+			if !slices.ContainsFunc(took, func(h handover) bool { return h.acc == rl.acc }) {
+				rl.acc.close()
+			}
+			d.retire(rl) // it may have taken connections already: let them finish
+		}
+		d.metrics.ConfigReloaded(false)
+		return err
+	}
+	var started []string
 	for _, lc := range next.Listener {
 		if rl, ok := old[lc.Name]; ok && reflect.DeepEqual(rl.cfg, lc) {
 			d.listeners[lc.Name] = rl
 			continue
 		}
-		if err := d.startListener(lc); err != nil {
-			for _, name := range started {
-				d.listeners[name].l.Close()
+		var acc *acceptor
+		if owner, ok := byAddr[lc.Address]; ok && !strings.HasSuffix(lc.Address, ":0") {
+			if kept, ok := next.listenerNamed(owner.cfg.Name); !ok || !reflect.DeepEqual(kept, owner.cfg) {
+				acc = owner.acc
+				took = append(took, handover{acc: acc, owner: owner})
 			}
-			d.listeners = old
-			d.metrics.ConfigReloaded(false)
-			return err
 		}
+		if err := d.startListener(lc, acc); err != nil {
+			return undo(err)
+		}
+		fresh = append(fresh, d.listeners[lc.Name])
 		started = append(started, lc.Name)
 	}
+	var retire []*runningListener
 	for name, rl := range old {
 		if d.listeners[name] != rl {
 			retire = append(retire, rl)
@@ -347,6 +396,7 @@ func (d *daemon) Reload(next config) error {
 		d.metrics.AddListener(lc.Name)
 	}
 	d.pool.SetListeners(listenerSlices(next.Listener))
+	d.poller.SetProtocols(pollConfig(next).Protocols)
 	d.cfg.Listener = next.Listener
 	if next.Log.Format != d.cfg.Log.Format {
 		d.log.Warn("reload: a new [log] format takes effect at the next restart")
@@ -356,20 +406,74 @@ func (d *daemon) Reload(next config) error {
 	}
 	d.cfg.Log.Level = next.Log.Level
 	d.cfg.Shutdown = next.Shutdown
-	drain := next.Shutdown.DrainTimeout.D()
 	for _, rl := range retire {
-		d.wg.Add(1)
-		go func() {
-			defer d.wg.Done()
-			ctx, cancel := context.WithTimeout(context.Background(), drain)
-			defer cancel()
-			rl.l.Shutdown(ctx)
-			rl.l.Close()
-		}()
+		handed := slices.ContainsFunc(took, func(h handover) bool { return h.owner == rl })
+		if !handed {
+			rl.acc.close() // its address is no longer served
+		}
+		d.retire(rl)
 	}
 	d.metrics.ConfigReloaded(true)
 	d.log.Info("config reloaded", "listeners", len(next.Listener), "started", started, "retired", len(retire))
 	return nil
+}
+
+// reattach serves rl's config again on its own socket after a reload that
+// took the socket was undone; d.mu is held.
+func (d *daemon) reattach(rl *runningListener) {
+	if err := d.startListener(rl.cfg, rl.acc); err != nil {
+		d.log.Error("restoring a listener after a failed reload", "listener", rl.cfg.Name, "err", err)
+		return
+	}
+	d.retire(rl) // its accept loop ended when the socket was taken
+}
+
+// retire lets an incarnation's open connections finish within the drain
+// timeout, in the background; d.mu is held.
+func (d *daemon) retire(rl *runningListener) {
+	drain := d.cfg.Shutdown.DrainTimeout.D()
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), drain)
+		defer cancel()
+		settle(ctx, rl.l)
+		rl.l.Shutdown(ctx)
+		rl.l.Close()
+	}()
+}
+
+// settleGrace is how long a stopping listener gives the connections it has
+// just accepted to send their request before it shuts down: net/http drops a
+// request it reads after Shutdown began, so a client that connected a moment
+// before a reload or SIGTERM would see its connection closed unanswered.
+const settleGrace = 500 * time.Millisecond
+
+// settle waits until l has no open connection, settleGrace has passed or
+// ctx ends.
+func settle(ctx context.Context, l *forward.Listener) {
+	deadline := time.NewTimer(settleGrace)
+	defer deadline.Stop()
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for l.ActiveConns() > 0 {
+		select {
+		case <-ctx.Done():
+			return
+		case <-deadline.C:
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+func (c *config) listenerNamed(name string) (listenerConfig, bool) {
+	for _, l := range c.Listener {
+		if l.Name == name {
+			return l, true
+		}
+	}
+	return listenerConfig{}, false
 }
 
 // watchdog pings systemd at half of WATCHDOG_USEC while the accept loops and
@@ -451,15 +555,19 @@ func (d *daemon) apply(agent.Snapshot) {
 	for _, id := range s.Dropped {
 		dropped[id] = true
 	}
-	served := map[int]bool{}
-	for _, st := range s.Services {
-		served[st.ID] = true
+	wanted := map[int]bool{}
+	for _, id := range s.Wanted {
+		wanted[id] = true
 	}
+	// Upstreams of a service whose lists are not known yet stay (a failed
+	// first poll must not empty the pool); those of a service that is no
+	// longer meant to be served leave.
 	for _, u := range prev {
 		if known[u.Service] || dropped[u.Service] {
 			continue
 		}
-		if s.AccountKnown && !served[u.Service] {
+		if s.AccountKnown && !wanted[u.Service] {
+			dropped[u.Service] = true
 			continue
 		}
 		next = append(next, pool.Upstream{Service: u.Service, Kind: u.Kind, Protocol: u.Protocol, Address: u.Address,
@@ -470,8 +578,13 @@ func (d *daemon) apply(agent.Snapshot) {
 		d.metrics.PoolUpdated(time.Now())
 		d.logPoolChange(prev, next)
 	}
-	status := map[int]savedStatus{}
-	quota := map[int]bool{}
+	// Provider status and quota from the state file stay until the API
+	// speaks for the service again.
+	status, quota := d.status, d.quota
+	for id := range dropped {
+		delete(status, id)
+		delete(quota, id)
+	}
 	var account metrics.Account
 	account.Credit, account.Known = s.Credit, s.CreditKnown
 	for _, st := range s.Services {
@@ -499,8 +612,9 @@ func (d *daemon) apply(agent.Snapshot) {
 		d.metrics.SetServices(ids)
 	}
 	d.saveState(status, quota)
-	// The state's age is that of the data served: a successful refresh
-	// that changed nothing makes it fresh too.
+	// The state's age is that of the data served: the saved file's until
+	// the lists are fetched, then the last successful refresh, which makes
+	// it fresh even when nothing changed.
 	if !s.ListsUpdated.IsZero() {
 		d.metrics.SetStateTime(s.ListsUpdated)
 	}
@@ -535,21 +649,10 @@ func (d *daemon) saveState(status map[int]savedStatus, quota map[int]bool) {
 		})
 	}
 	slices.SortFunc(st.Upstreams, func(a, b savedUpstream) int {
-		if a.Service != b.Service {
-			return a.Service - b.Service
-		}
-		if a.Address != b.Address {
-			if a.Address < b.Address {
-				return -1
-			}
-			return 1
-		}
-		if a.Protocol+a.Session < b.Protocol+b.Session {
-			return -1
-		}
-		return 0
+		return cmp.Or(cmp.Compare(a.Service, b.Service), cmp.Compare(a.Address, b.Address),
+			cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Session, b.Session))
 	})
-	key := fmt.Sprintf("%v", st) // content without the time: save only what changed
+	key := stateKey(st)
 	d.mu.Lock()
 	same := string(d.lastSaved) == key
 	d.mu.Unlock()
@@ -565,7 +668,14 @@ func (d *daemon) saveState(status map[int]savedStatus, quota map[int]bool) {
 	d.lastSaved = []byte(key)
 	d.savedAt = st.Saved
 	d.mu.Unlock()
-	d.metrics.SetStateTime(st.Saved)
+}
+
+// stateKey is a state's content without its time: what decides whether a
+// save is needed.
+func stateKey(st *savedState) string {
+	c := *st
+	c.Saved = time.Time{}
+	return fmt.Sprintf("%v", c)
 }
 
 // loadState serves the last known pool until the API answers.
@@ -592,9 +702,42 @@ func (d *daemon) loadState() {
 		d.pool.SetQuota(id, q)
 	}
 	d.savedAt = st.Saved
+	d.lastSaved = []byte(stateKey(st))
+	for id, s := range st.Status {
+		d.status[id] = s
+	}
+	for id, q := range st.Quota {
+		d.quota[id] = q
+	}
+	d.poller.Seed(seedSizes(st))
 	d.metrics.SetStateTime(st.Saved)
 	d.metrics.PoolUpdated(st.Saved)
 	d.log.Info("serving the saved pool until the provider API answers", "upstreams", len(ups), "saved", st.Saved.Format(time.RFC3339))
+}
+
+// seedSizes are the list sizes the saved pool was built from, for the
+// poller's shrink confirmation after a restart.
+func seedSizes(st *savedState) map[string]int {
+	sizes := map[string]int{}
+	services := map[int]bool{}
+	sessions := map[string]bool{}
+	for _, u := range st.Upstreams {
+		services[u.Service] = true
+		if u.Session != "" {
+			sessions[fmt.Sprintf("%d/%s", u.Service, u.Session)] = true
+			continue
+		}
+		typ := map[string]string{"fpr/http": "http-auth", "fpr/socks5": "socks-ip", "ppr/http": "ppr-http", "ppr/socks5": "ppr-socks"}[u.Kind+"/"+u.Protocol]
+		if typ != "" {
+			sizes[fmt.Sprintf("%d/%s", u.Service, typ)]++
+		}
+	}
+	for k := range sessions {
+		id, _, _ := strings.Cut(k, "/")
+		sizes[id+"/sticky"]++
+	}
+	sizes["services"] = len(services)
+	return sizes
 }
 
 func listenerNames(ls []listenerConfig) []string {

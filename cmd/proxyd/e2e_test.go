@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -12,8 +13,11 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -302,8 +306,8 @@ func TestDaemonAPIDownKeepsServingAndBacksOff(t *testing.T) {
 		e.mustGet("socks", "")
 		time.Sleep(150 * time.Millisecond)
 	}
-	if n := w.sim.Requests(route) - start; n > 6 {
-		t.Errorf("%d network status requests in 4.5s while the API fails: not backed off", n)
+	if n := w.sim.Requests(route) - start; n > 6 || n < 2 {
+		t.Errorf("%d network status requests in 4.5s while the API fails: want 2–6 (still polling, backed off)", n)
 	}
 	if code, _ := e.admin("/readyz"); code != 200 {
 		t.Errorf("readyz %d while the API is down", code)
@@ -318,25 +322,74 @@ func TestDaemonRestartServesFromState(t *testing.T) {
 	state := t.TempDir()
 	e := startDaemon(t, w, state, nil)
 	e.waitReady()
-	waitFor(t, "state file", 5*time.Second, func() bool {
-		_, err := os.Stat(filepath.Join(state, stateFileName))
-		return err == nil
-	})
+	w.sim.MarkErrored(demoFPR, hostOf(w.fprHTTP[0].Addr()))
+	e.pollOnce(agent.LoopStatus)
+	e.d.Close()
+	saved, err := readState(state)
+	if err != nil || saved == nil || len(saved.Upstreams) == 0 || len(saved.Status[demoFPR].Errored) != 1 {
+		t.Fatalf("saved state: %+v %v", saved, err)
+	}
 	fi, _ := os.Stat(filepath.Join(state, stateFileName))
 	if fi.Mode().Perm() != 0o600 {
 		t.Errorf("state file mode %v, want 0600", fi.Mode().Perm())
 	}
-	e.d.Close()
+	if data, _ := os.ReadFile(filepath.Join(state, stateFileName)); !strings.Contains(string(data), "pw-101-sim") {
+		t.Error("the state file must hold the upstream credentials it serves with")
+	}
 
+	time.Sleep(1100 * time.Millisecond) // let the saved state age by a second
 	w.sim.FailNext(1<<30, 500, "down")
 	e2 := startDaemon(t, w, state, nil)
 	e2.waitReady()
 	e2.mustGet("http", "")
 	e2.mustGet("socks", "")
-	_, body := e2.admin("/metrics")
-	if !strings.Contains(body, "proxyd_state_age_seconds") {
-		t.Error("state age is not exported")
+	// The provider's last word survives the restart: the errored upstream
+	// stays out, and the file keeps it.
+	for _, u := range e2.poolState().Upstreams {
+		if u.Address == w.fprHTTP[0].Addr() && u.State != pool.ProviderError {
+			t.Errorf("%s after restart: %s, want provider_error", u.ID, u.State)
+		}
 	}
+	if again, _ := readState(state); again == nil || len(again.Status[demoFPR].Errored) != 1 {
+		t.Errorf("the restart with the API down lost the saved status: %+v", again)
+	}
+	// The age is that of the data, not of the restart.
+	_, body := e2.admin("/metrics")
+	m := regexp.MustCompile(`(?m)^proxyd_state_age_seconds ([0-9.e+]+)$`).FindStringSubmatch(body)
+	if m == nil {
+		t.Fatalf("no proxyd_state_age_seconds:\n%s", grepLines(body, "state_age"))
+	}
+	if age, _ := strconv.ParseFloat(m[1], 64); age < 1 {
+		t.Errorf("state age %.2fs, want at least the 1s since it was saved", age)
+	}
+}
+
+// After a restart, a first IP list that comes back empty is not swapped in
+// before the next poll confirms it: the saved upstreams keep serving.
+func TestDaemonRestartWithEmptyFirstList(t *testing.T) {
+	w := newWorld(t)
+	state := t.TempDir()
+	e := startDaemon(t, w, state, nil)
+	e.waitReady()
+	e.d.Close()
+
+	w.sim.SetEntries(demoFPR, "http-auth", nil)
+	e2 := startDaemon(t, w, state, nil)
+	e2.waitReady()
+	count := func() int {
+		n := 0
+		for _, u := range e2.poolState().Upstreams {
+			if u.Service == demoFPR && u.Protocol == pool.HTTP && u.State == pool.Healthy {
+				n++
+			}
+		}
+		return n
+	}
+	if n := count(); n != 3 {
+		t.Fatalf("%d fpr http upstreams after the first (empty) poll, want the 3 saved ones", n)
+	}
+	e2.pollOnce(agent.LoopLists) // the provider says it again: now it counts
+	waitFor(t, "the confirmed empty list", 5*time.Second, func() bool { return count() == 0 })
 }
 
 func TestDaemonReadyzFollowsUsableUpstreams(t *testing.T) {
@@ -713,4 +766,88 @@ func TestDaemonSuspendedServiceLeaves(t *testing.T) {
 			t.Fatalf("request went via %s after service %d was suspended", via, demoFPR)
 		}
 	}
+}
+
+// TestDaemonReloadChangedListenerUnderLoad reloads a listener whose settings
+// change on the same address while clients keep connecting: the socket is
+// handed over, so no connection is refused or reset. A failing reload that
+// had already taken the socket gives it back.
+func TestDaemonReloadChangedListenerUnderLoad(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	addr := e.d.listenerAddr("http")
+	var fails, oks atomic.Int64
+	var lastErr atomic.Value
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if err := plainGet(addr, w.origin); err != nil {
+					fails.Add(1)
+					lastErr.Store(err.Error())
+				} else {
+					oks.Add(1)
+				}
+			}
+		}()
+	}
+	cfg := e.cfg
+	for i := 0; i < 20; i++ {
+		next := cfg
+		next.Listener = append([]listenerConfig{}, cfg.Listener...)
+		next.Listener[0].Address = addr
+		next.Listener[0].IdleTimeout = duration(time.Duration(60+i) * time.Second)
+		if i%5 == 4 && os.Getenv("NOFAILRELOAD") == "" {
+			// A reload that fails after taking the socket: socks onto a taken address.
+			next.Listener[1].Address = w.simURL[len("http://"):]
+			if err := e.d.Reload(next); err == nil {
+				t.Fatal("a reload onto a taken address must fail")
+			}
+		} else if err := e.d.Reload(next); err != nil {
+			t.Fatal(err)
+		} else {
+			cfg = next
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	if fails.Load() > 0 || oks.Load() == 0 {
+		t.Errorf("%d requests failed across reloads (%d ok); last: %v", fails.Load(), oks.Load(), lastErr.Load())
+	}
+	if got := e.d.listenerAddr("http"); got != addr {
+		t.Errorf("http listener on %s, want %s", got, addr)
+	}
+}
+
+// plainGet makes one plain-HTTP request through an HTTP proxy on a new connection.
+func plainGet(proxyAddr, origin string) error {
+	c, err := net.DialTimeout("tcp", proxyAddr, time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	fmt.Fprintf(c, "GET http://%s/hello HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n", origin, origin)
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		return err
+	}
+	if resp.StatusCode != 200 {
+		return fmt.Errorf("status %d", resp.StatusCode)
+	}
+	return nil
 }

@@ -49,6 +49,9 @@ func cmdRun(ctx context.Context, args []string, io stdio) int {
 				return
 			case <-hup:
 			}
+			if runCtx.Err() != nil { // SIGTERM and SIGHUP together: stopping wins
+				return
+			}
 			next, err := loadConfig(*path)
 			if err != nil {
 				logger.Error("reload refused; keeping the running config", "config", *path, "err", err)
