@@ -89,6 +89,7 @@ func writeConfig(t *testing.T, path string, w *demoWorld, state string, listener
 	t.Helper()
 	var b strings.Builder
 	fmt.Fprintf(&b, "[api]\nbase_url = %q\nservices = [101, 102]\n\n", w.simURL)
+	fmt.Fprintf(&b, "[poll]\nnetwork_status = \"1s\"\nusage = \"1s\"\nmax_backoff = \"2s\"\n\n")
 	fmt.Fprintf(&b, "[state]\ndir = %q\n\n[admin]\naddress = \"\"\n\n[shutdown]\ndrain_timeout = \"20s\"\n\n", state)
 	for _, l := range listeners {
 		fmt.Fprintf(&b, "[[listener]]\nname = %q\nprotocol = \"http\"\naddress = %q\nallow_destinations = [\"127.0.0.0/8\"]\n\n", l[0], l[1])
@@ -181,6 +182,17 @@ func TestDaemonSignals(t *testing.T) {
 	}
 	if err := through(httpAddr); err != nil {
 		t.Fatalf("first request: %v", err)
+	}
+	// An API outage must not stop the watchdog pings: they follow the
+	// loops' heartbeats, not successful polls.
+	// The status and usage loops poll every second; for 2.5s they fail.
+	before := w.sim.Requests("/api/networkstatus/errors/{id}")
+	w.sim.FailNext(1<<30, 500, "down")
+	for range 12 { // one every 200ms
+		notify.expect(t, "WATCHDOG=1")
+	}
+	if w.sim.Requests("/api/networkstatus/errors/{id}") == before {
+		t.Error("no poll ran during the outage: the test proves nothing")
 	}
 
 	// An open tunnel that must survive reloads and a drain.
