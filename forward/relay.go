@@ -8,15 +8,30 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
-// relayBufSize is the copy buffer taken from the pool while a direction
-// moves data; an idle direction holds none.
-const relayBufSize = 64 << 10
+// A direction that wakes up reads into a small pooled buffer; once a read
+// fills it, the direction is moving bulk data and switches to a large one,
+// so that each read and write moves as much as the sockets hold (one wake-up
+// of the reader on the other side per large write). Both go back to their
+// pool as soon as a read would block: an idle direction holds neither.
+const (
+	relayBufSize      = 64 << 10
+	relayLargeBufSize = 1 << 20
+)
 
-var relayBufs = sync.Pool{New: func() any { b := make([]byte, relayBufSize); return &b }}
+var (
+	relayBufs      = sync.Pool{New: func() any { b := make([]byte, relayBufSize); return &b }}
+	relayLargeBufs = sync.Pool{New: func() any { b := make([]byte, relayLargeBufSize); return &b }}
+)
+
+func putRelayBuf(bp *[]byte) {
+	if len(*bp) == relayLargeBufSize {
+		relayLargeBufs.Put(bp)
+	} else {
+		relayBufs.Put(bp)
+	}
+}
 
 // tunnel relays bytes between a client and an upstream connection.
 type tunnel struct {
@@ -67,107 +82,129 @@ type closeWriter interface{ CloseWrite() error }
 // pump copies src to dst. On EOF it passes the half-close on; on any other
 // error it closes both ends so that the other direction stops too.
 //
-// While nothing is queued on src it parks on src's read readiness, holding
-// neither a buffer nor a splice pipe. When bytes are queued and both ends
-// are TCP, it splices exactly what is queued (the kernel moves it, no copy
-// through user space, and the call cannot block on an empty source);
-// otherwise it copies through a pooled buffer until src runs dry.
+// When src is a raw socket, the direction reads it with non-blocking reads
+// inside src's read-readiness wait: a read that returns data goes straight
+// to dst, so while data keeps coming the direction moves it read after read
+// without parking; the first read that would block gives the buffer back to
+// its pool before parking, so an idle direction holds no buffer. A src
+// without a raw socket (a wrapper) is read through a pooled buffer under a
+// read deadline.
 func (t *tunnel) pump(dst, src net.Conn) int64 {
 	var rc syscall.RawConn
 	if sc, ok := src.(syscall.Conn); ok {
 		rc, _ = sc.SyscallConn()
 	}
-	dtcp, _ := dst.(*net.TCPConn)
-	_, stcp := src.(*net.TCPConn)
-	canSplice := rc != nil && dtcp != nil && stcp
+	if rc == nil {
+		return t.pumpBuffered(dst, src)
+	}
 	var (
 		n            int64
-		peek         [1]byte
-		avail        int
-		lr           = &io.LimitedReader{R: src}
+		bp           *[]byte
+		r            int
+		rerr         error
 		lastDeadline time.Time
 	)
-	ready := func(fd uintptr) bool {
-		if canSplice {
-			if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil && v > 0 {
-				avail = v
-				return true
-			}
+	defer func() {
+		if bp != nil {
+			putRelayBuf(bp)
 		}
-		_, _, err := syscall.Recvfrom(int(fd), peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		return !errors.Is(err, syscall.EAGAIN)
+	}()
+	fill := func(fd uintptr) bool {
+		if bp == nil {
+			bp = relayBufs.Get().(*[]byte)
+		}
+		for {
+			r, rerr = syscall.Read(int(fd), *bp)
+			switch rerr {
+			case syscall.EINTR:
+				continue
+			case syscall.EAGAIN:
+				putRelayBuf(bp)
+				bp = nil
+				return false
+			}
+			return true
+		}
 	}
 	for {
-		avail = 0
-		if rc != nil {
-			now := time.Now()
-			if now.Sub(lastDeadline) > time.Second {
-				_ = src.SetReadDeadline(now.Add(t.idle))
-				lastDeadline = now
+		now := time.Now()
+		if now.Sub(lastDeadline) > time.Second {
+			_ = src.SetReadDeadline(now.Add(t.idle))
+			lastDeadline = now
+		}
+		r, rerr = 0, nil
+		err := rc.Read(fill)
+		if err == nil && rerr != nil {
+			err = rerr
+		}
+		if err == nil && r <= 0 {
+			err = io.EOF
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				t.halfClose(dst)
+				return n
 			}
-			if err := rc.Read(ready); err != nil {
-				if t.stillActive(src, err) {
-					lastDeadline = time.Time{}
-					continue
-				}
+			if t.stillActive(src, err) {
+				lastDeadline = time.Time{}
+				continue
+			}
+			t.closeBoth()
+			return n
+		}
+		w, err := dst.Write((*bp)[:r])
+		n += int64(w)
+		if err != nil {
+			t.closeBoth()
+			return n
+		}
+		t.lastSeen.Store(time.Now().UnixNano())
+		if r == len(*bp) && r < relayLargeBufSize {
+			relayBufs.Put(bp)
+			bp = relayLargeBufs.Get().(*[]byte)
+		}
+	}
+}
+
+func (t *tunnel) halfClose(dst net.Conn) {
+	if cw, ok := dst.(closeWriter); ok {
+		_ = cw.CloseWrite()
+	} else {
+		t.closeBoth()
+	}
+}
+
+// pumpBuffered is pump for a src without a raw socket: it reads through a
+// pooled buffer under a read deadline.
+func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
+	var n int64
+	bp := relayBufs.Get().(*[]byte)
+	defer relayBufs.Put(bp)
+	buf := *bp
+	for {
+		_ = src.SetReadDeadline(time.Now().Add(t.idle))
+		r, err := src.Read(buf)
+		if r > 0 {
+			t.lastSeen.Store(time.Now().UnixNano())
+			w, werr := dst.Write(buf[:r])
+			n += int64(w)
+			if werr != nil {
 				t.closeBoth()
 				return n
 			}
-		}
-		var err error
-		if avail > 0 {
-			lr.N = int64(avail)
-			var w int64
-			w, err = dtcp.ReadFrom(lr)
-			n += w
-			if w > 0 {
-				t.lastSeen.Store(time.Now().UnixNano())
-			}
-		} else {
-			err = t.copyBuffered(dst, src, rc == nil, &n)
 		}
 		if err == nil {
 			continue
 		}
 		if errors.Is(err, io.EOF) {
-			if cw, ok := dst.(closeWriter); ok {
-				_ = cw.CloseWrite()
-			} else {
-				t.closeBoth()
-			}
+			t.halfClose(dst)
 			return n
 		}
 		if t.stillActive(src, err) {
-			lastDeadline = time.Time{}
 			continue
 		}
 		t.closeBoth()
 		return n
-	}
-}
-
-// copyBuffered copies through a pooled buffer while reads fill it (or once
-// when src cannot be parked on), returning src's error or dst's.
-func (t *tunnel) copyBuffered(dst, src net.Conn, noPark bool, n *int64) error {
-	bp := relayBufs.Get().(*[]byte)
-	defer relayBufs.Put(bp)
-	buf := *bp
-	for {
-		if noPark {
-			_ = src.SetReadDeadline(time.Now().Add(t.idle))
-		}
-		r, err := src.Read(buf)
-		if r > 0 {
-			t.lastSeen.Store(time.Now().UnixNano())
-			w, werr := dst.Write(buf[:r])
-			*n += int64(w)
-			if werr != nil {
-				return werr
-			}
-		}
-		if err != nil || r < len(buf) || noPark {
-			return err
-		}
 	}
 }
 
