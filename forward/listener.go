@@ -51,15 +51,16 @@ type Listener struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	mu       sync.Mutex
-	ln       net.Listener
-	conns    map[*clientConn]struct{}
-	upconns  map[net.Conn]struct{} // upstream sides of open tunnels
-	stopping bool                  // Shutdown or Close began: accept no more
-	closed   bool                  // Close: no new goroutines
-	wg       sync.WaitGroup        // goroutines started by spawn
-	active   atomic.Int64
-	rejects  atomic.Int64 // cap-rejection goroutines running
+	mu        sync.Mutex
+	ln        net.Listener
+	conns     map[*clientConn]struct{}
+	upconns   map[net.Conn]struct{} // upstream sides of open tunnels
+	stopping  bool                  // Shutdown or Close began: accept no more
+	closed    bool                  // Close: no new goroutines
+	wg        sync.WaitGroup        // goroutines started by spawn
+	active    atomic.Int64
+	largeBufs atomic.Int64 // large relay buffers in use (relay.go)
+	rejects   atomic.Int64 // cap-rejection goroutines running
 }
 
 // NewListener builds a listener; it does not bind (see Serve).

@@ -15,9 +15,14 @@ import (
 // so that each read and write moves as much as the sockets hold (one wake-up
 // of the reader on the other side per large write). Both go back to their
 // pool as soon as a read would block: an idle direction holds neither.
+//
+// Large buffers are rationed per listener (maxLargeBufs), so that thousands
+// of bulk transfers at once cannot take gigabytes: past the ration a
+// direction keeps its small buffer.
 const (
 	relayBufSize      = 64 << 10
 	relayLargeBufSize = 1 << 20
+	maxLargeBufs      = 128 // per listener: at most 128 MiB in large buffers
 )
 
 var (
@@ -25,16 +30,29 @@ var (
 	relayLargeBufs = sync.Pool{New: func() any { b := make([]byte, relayLargeBufSize); return &b }}
 )
 
-func putRelayBuf(bp *[]byte) {
+// putBuf returns a relay buffer to its pool (and a large one to the ration).
+func (t *tunnel) putBuf(bp *[]byte) {
 	if len(*bp) == relayLargeBufSize {
 		relayLargeBufs.Put(bp)
+		t.large.Add(-1)
 	} else {
 		relayBufs.Put(bp)
 	}
 }
 
+// grow swaps a small buffer for a large one if the ration allows.
+func (t *tunnel) grow(bp *[]byte) *[]byte {
+	if t.large.Add(1) > maxLargeBufs {
+		t.large.Add(-1)
+		return bp
+	}
+	relayBufs.Put(bp)
+	return relayLargeBufs.Get().(*[]byte)
+}
+
 // tunnel relays bytes between a client and an upstream connection.
 type tunnel struct {
+	large     *atomic.Int64 // the listener's large buffers in use
 	idle      time.Duration
 	lastSeen  atomic.Int64 // unix nanoseconds of the last byte moved either way
 	once      sync.Once
@@ -48,7 +66,7 @@ type tunnel struct {
 // tunnel is idle for IdleTimeout. The last pump to end closes both conns,
 // adds the bytes to cc and calls done.
 func (l *Listener) relay(cc *clientConn, upstream net.Conn, done func()) {
-	t := &tunnel{idle: l.cfg.IdleTimeout, a: cc.Conn, b: upstream}
+	t := &tunnel{idle: l.cfg.IdleTimeout, a: cc.Conn, b: upstream, large: &l.largeBufs}
 	t.lastSeen.Store(time.Now().UnixNano())
 	t.remaining.Store(2)
 	finish := func() {
@@ -106,7 +124,7 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 	)
 	defer func() {
 		if bp != nil {
-			putRelayBuf(bp)
+			t.putBuf(bp)
 		}
 	}()
 	fill := func(fd uintptr) bool {
@@ -119,7 +137,7 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 			case syscall.EINTR:
 				continue
 			case syscall.EAGAIN:
-				putRelayBuf(bp)
+				t.putBuf(bp)
 				bp = nil
 				return false
 			}
@@ -160,8 +178,7 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 		}
 		t.lastSeen.Store(time.Now().UnixNano())
 		if r == len(*bp) && r < relayLargeBufSize {
-			relayBufs.Put(bp)
-			bp = relayLargeBufs.Get().(*[]byte)
+			bp = t.grow(bp)
 		}
 	}
 }
