@@ -59,8 +59,10 @@ type Listener struct {
 	closed    bool                  // Close: no new goroutines
 	wg        sync.WaitGroup        // goroutines started by spawn
 	active    atomic.Int64
-	largeBufs atomic.Int64 // large relay buffers in use (relay.go)
-	rejects   atomic.Int64 // cap-rejection goroutines running
+	largeBufs atomic.Int64  // large relay buffers in use (relay.go)
+	fresh     atomic.Int64  // HTTP connections whose first request is not read yet
+	accepting chan struct{} // closed when Serve's accept loop ended; nil before Serve
+	rejects   atomic.Int64  // cap-rejection goroutines running
 }
 
 // NewListener builds a listener; it does not bind (see Serve).
@@ -133,7 +135,10 @@ func (l *Listener) Serve(ln net.Listener) error {
 		return ErrServing
 	}
 	l.ln = ln
+	l.accepting = make(chan struct{})
+	accepting := l.accepting
 	l.mu.Unlock()
+	defer close(accepting)
 	l.dest.setOwn(ownAddrs(ln.Addr()))
 	al := &acceptor{Listener: ln, l: l}
 	var err error
@@ -158,12 +163,14 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 	l.mu.Lock()
 	l.stopping = true
 	ln := l.ln
+	accepting := l.accepting
 	l.mu.Unlock()
 	if ln != nil {
 		_ = ln.Close()
 	}
 	var err error
 	if l.srv != nil {
+		l.awaitFirstRequests(ctx, accepting)
 		// Closes idle keep-alive connections and waits for active requests.
 		err = l.srv.Shutdown(ctx)
 	}
@@ -180,6 +187,58 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 	}
 	l.closeAll()
 	return err
+}
+
+// freshGrace bounds how long Shutdown waits for just-accepted HTTP
+// connections to send their first request.
+const freshGrace = 500 * time.Millisecond
+
+// awaitFirstRequests lets the HTTP connections accepted just before
+// Shutdown send their first request (up to freshGrace): net/http drops a
+// request it reads after Server.Shutdown began, so a client that connected
+// a moment before a reload or SIGTERM would otherwise see its connection
+// closed unanswered.
+func (l *Listener) awaitFirstRequests(ctx context.Context, accepting <-chan struct{}) {
+	grace := time.NewTimer(freshGrace)
+	defer grace.Stop()
+	if accepting != nil {
+		select { // every accepted connection is registered with the server
+		case <-accepting:
+		case <-grace.C:
+			return
+		case <-ctx.Done():
+			return
+		}
+	}
+	tick := time.NewTicker(2 * time.Millisecond)
+	defer tick.Stop()
+	for l.fresh.Load() > 0 {
+		select {
+		case <-grace.C:
+			return
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// trackFresh is the HTTP server's ConnState hook: it counts the connections
+// whose first request has not been read yet.
+func (l *Listener) trackFresh(c net.Conn, st http.ConnState) {
+	cc, ok := c.(*clientConn)
+	if !ok {
+		return
+	}
+	if st == http.StateNew {
+		if cc.fresh.CompareAndSwap(false, true) {
+			l.fresh.Add(1)
+		}
+		return
+	}
+	if cc.fresh.CompareAndSwap(true, false) {
+		l.fresh.Add(-1)
+	}
 }
 
 // Close closes the listener and every connection at once.
@@ -347,6 +406,7 @@ type clientConn struct {
 	up, down atomic.Int64
 	retries  atomic.Int32
 	outcome  atomic.Int32 // Outcome+1; 0 = nothing served yet
+	fresh    atomic.Bool  // HTTP: accepted, no request byte read yet
 	closeErr error
 }
 

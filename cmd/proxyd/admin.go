@@ -62,7 +62,6 @@ func startAdmin(c adminConfig, d *daemon) (*adminServer, error) {
 			ReadHeaderTimeout: 10 * time.Second,
 			ReadTimeout:       30 * time.Second,
 			WriteTimeout:      30 * time.Second,
-			ErrorLog:          nil,
 		},
 		ln:   ln,
 		done: make(chan struct{}),

@@ -44,7 +44,6 @@ type daemon struct {
 	listeners map[string]*runningListener
 	admin     *adminServer
 	running   bool // listeners bound and not yet stopping; Reload needs it
-	savedAt   time.Time
 	lastSaved []byte
 	readyOnce sync.Once
 
@@ -292,7 +291,6 @@ func (d *daemon) shutdownListeners(ctx context.Context) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			settle(ctx, rl.l)
 			if err := rl.l.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 				d.log.Warn("listener shutdown", "listener", rl.cfg.Name, "err", err)
 			}
@@ -437,34 +435,9 @@ func (d *daemon) retire(rl *runningListener) {
 		defer d.wg.Done()
 		ctx, cancel := context.WithTimeout(context.Background(), drain)
 		defer cancel()
-		settle(ctx, rl.l)
 		rl.l.Shutdown(ctx)
 		rl.l.Close()
 	}()
-}
-
-// settleGrace is how long a stopping listener gives the connections it has
-// just accepted to send their request before it shuts down: net/http drops a
-// request it reads after Shutdown began, so a client that connected a moment
-// before a reload or SIGTERM would see its connection closed unanswered.
-const settleGrace = 500 * time.Millisecond
-
-// settle waits until l has no open connection, settleGrace has passed or
-// ctx ends.
-func settle(ctx context.Context, l *forward.Listener) {
-	deadline := time.NewTimer(settleGrace)
-	defer deadline.Stop()
-	tick := time.NewTicker(5 * time.Millisecond)
-	defer tick.Stop()
-	for l.ActiveConns() > 0 {
-		select {
-		case <-ctx.Done():
-			return
-		case <-deadline.C:
-			return
-		case <-tick.C:
-		}
-	}
 }
 
 func (c *config) listenerNamed(name string) (listenerConfig, bool) {
@@ -666,7 +639,6 @@ func (d *daemon) saveState(status map[int]savedStatus, quota map[int]bool) {
 	}
 	d.mu.Lock()
 	d.lastSaved = []byte(key)
-	d.savedAt = st.Saved
 	d.mu.Unlock()
 }
 
@@ -701,7 +673,6 @@ func (d *daemon) loadState() {
 	for id, q := range st.Quota {
 		d.pool.SetQuota(id, q)
 	}
-	d.savedAt = st.Saved
 	d.lastSaved = []byte(stateKey(st))
 	for id, s := range st.Status {
 		d.status[id] = s

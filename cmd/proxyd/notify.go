@@ -63,8 +63,6 @@ func (n *notifier) stopping() error { return n.send("STOPPING=1") }
 
 func (n *notifier) watchdog() error { return n.send("WATCHDOG=1") }
 
-func (n *notifier) status(s string) error { return n.send("STATUS=" + s) }
-
 // watchdogInterval returns half of $WATCHDOG_USEC when the watchdog is on
 // for this process, else 0.
 func watchdogInterval(getenv func(string) string) time.Duration {
