@@ -130,6 +130,52 @@ func TestHTTPPlainRequests(t *testing.T) {
 	})
 }
 
+// TestUpstreamConnReusedAcrossClientConns: a client that closes its
+// connection after each request (Connection: close, or HTTP/1.0) does not
+// make proxyd close the upstream connection: its Connection header is about
+// its own hop.
+func TestUpstreamConnReusedAcrossClientConns(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
+		origin, originConns := startOrigin(t, http.HandlerFunc(echoHandler))
+		tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(up))
+		c := tl.httpClient(t, "", "")
+		c.Transport.(*http.Transport).DisableKeepAlives = true
+		const n = 5
+		for range n {
+			req, _ := http.NewRequest("GET", "http://"+origin+"/", nil)
+			if e := getEcho(t, c, req); e.Method != "GET" {
+				t.Fatalf("origin saw %+v", e)
+			}
+		}
+		// HTTP/1.0 without keep-alive, by hand.
+		conn, err := net.Dial("tcp", tl.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+		fmt.Fprintf(conn, "GET http://%s/old HTTP/1.0\r\n\r\n", origin)
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("HTTP/1.0 request: %v %v", resp, err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+
+		tl.obs.mu.Lock()
+		opened, dialed := tl.obs.opened, tl.obs.dialed
+		tl.obs.mu.Unlock()
+		if opened != n+1 {
+			t.Errorf("client connections to proxyd: %d, want %d", opened, n+1)
+		}
+		if dialed != 1 {
+			t.Errorf("upstream dials: %d, want 1 (one upstream connection for every client connection)", dialed)
+		}
+		if got := originConns.Load(); got != 1 {
+			t.Errorf("origin connections: %d, want 1", got)
+		}
+	})
+}
+
 func TestHTTPChunkedUpload(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))

@@ -296,6 +296,10 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 			out.Body = body
 		}
 		out.Header = req.Header.Clone()
+		// The client's "Connection: close" (or HTTP/1.0 without keep-alive)
+		// is about its own connection: the upstream connection stays open
+		// for the next request.
+		out.Close = false
 		if up.Protocol != pool.SOCKS5 && req.URL.Scheme == "http" {
 			if a := basicAuth(up); a != "" {
 				out.Header.Set("Proxy-Authorization", a)
