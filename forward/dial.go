@@ -61,9 +61,9 @@ func (d *dialer) dialTCP(ctx context.Context, u *pool.Upstream) (net.Conn, *dial
 func classifyDial(ctx context.Context, err error) *dialError {
 	r := pool.DialRefused
 	switch {
-	case ctx.Err() != nil && !errors.Is(context.Cause(ctx), errAttemptTimeout):
+	case ctx.Err() != nil && !upstreamTimeout(ctx):
 		r = pool.Canceled
-	case isTimeout(err):
+	case isTimeout(err) || ctx.Err() != nil:
 		r = pool.DialTimeout
 	}
 	return &dialError{result: r, err: fmt.Errorf("dialing upstream: %w", err)}
@@ -72,6 +72,14 @@ func classifyDial(ctx context.Context, err error) *dialError {
 // errAttemptTimeout ends an attempt whose retry budget ran out; it is the
 // upstream's fault (a timeout), unlike a client that left.
 var errAttemptTimeout = errors.New("retry budget exhausted")
+
+// upstreamTimeout reports whether ctx ended because the upstream took too
+// long (the attempt's budget ran out, or the wait for an answer's head),
+// which is the upstream's fault, unlike a client that left.
+func upstreamTimeout(ctx context.Context) bool {
+	cause := context.Cause(ctx)
+	return errors.Is(cause, errAttemptTimeout) || errors.Is(cause, errHeadTimeout)
+}
 
 func isTimeout(err error) bool {
 	var ne net.Error
@@ -107,7 +115,7 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 		return out, nil
 	}
 	_ = c.Close()
-	if ctx.Err() != nil && !errors.Is(context.Cause(ctx), errAttemptTimeout) {
+	if ctx.Err() != nil && !upstreamTimeout(ctx) {
 		return nil, &dialError{result: pool.Canceled, err: context.Cause(ctx)}
 	}
 	if derr == nil { // the budget ran out just as the answer came

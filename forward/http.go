@@ -22,8 +22,9 @@ import (
 type ctxKey int
 
 const (
-	connKey ctxKey = iota // *clientConn of the request
-	keyKey                // sticky key (string) of the request
+	connKey   ctxKey = iota // *clientConn of the request
+	keyKey                  // sticky key (string) of the request
+	writerKey               // http.ResponseWriter of the request
 )
 
 // Short fixed answers: nothing from an error, a credential or an upstream
@@ -79,6 +80,7 @@ func (l *Listener) initHTTP() {
 	})
 	l.proxy = p
 	l.transports = newTransportCache(l)
+	l.plain = newPlainConns(l.dialer, l.spawn)
 	l.srv = &http.Server{
 		Handler:           http.HandlerFunc(l.serveHTTP),
 		ReadHeaderTimeout: l.cfg.HeaderTimeout,
@@ -160,6 +162,7 @@ func (l *Listener) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	// we would see which headers it names.
 	stripHop(r.Header, false)
 	ctx := context.WithValue(r.Context(), keyKey, key)
+	ctx = context.WithValue(ctx, writerKey, w)
 	l.proxy.ServeHTTP(w, r.WithContext(ctx))
 }
 

@@ -46,6 +46,7 @@ type Listener struct {
 	srv        *http.Server
 	proxy      *goproxy.ProxyHttpServer
 	transports *transportCache
+	plain      *plainConns
 
 	// ctx is the parent of every outbound attempt; canceled by Close.
 	ctx    context.Context
@@ -279,6 +280,9 @@ func (l *Listener) closeAll() {
 	l.wg.Wait()
 	if l.transports != nil {
 		l.transports.closeIdle()
+	}
+	if l.plain != nil {
+		l.plain.close()
 	}
 }
 

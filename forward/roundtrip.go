@@ -306,7 +306,12 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 			}
 		}
 		t0 := time.Now()
-		resp, err := l.transports.get(up).RoundTrip(out)
+		var resp *http.Response
+		if out.URL.Scheme == "http" {
+			resp, err = l.plain.roundTrip(actx, up, out)
+		} else {
+			resp, err = l.transports.get(up).RoundTrip(out)
+		}
 		took := time.Since(t0)
 		if !timer.Stop() && err == nil {
 			_ = resp.Body.Close() // the head came just as the wait ended
@@ -337,6 +342,12 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 			}
 			l.pool.Report(up, pool.Success, took)
 			stripHop(resp.Header, false)
+			if pb, ok := resp.Body.(*plainBody); ok {
+				if w, ok := ctx.Value(writerKey).(http.ResponseWriter); ok {
+					rc := http.NewResponseController(w)
+					pb.pc.head.idle = func() { _ = rc.Flush() }
+				}
+			}
 			resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() {
 				cancelAttempt(nil)
 				l.pool.Release(up)

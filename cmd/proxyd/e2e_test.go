@@ -242,8 +242,20 @@ func TestDaemonTrafficOnBothListeners(t *testing.T) {
 	if socksUsed == 0 {
 		t.Error("no SOCKS5 upstream carried a connection")
 	}
-	code, body := e.admin("/metrics")
-	if code != 200 || !strings.Contains(body, `proxyd_connections_total{listener="http",result="ok"} 6`) {
+	// A connection is counted when it ends, which the server sees just
+	// after the client read its answer.
+	var code int
+	var body string
+	counted := func() bool {
+		code, body = e.admin("/metrics")
+		return code == 200 && strings.Contains(body, `proxyd_connections_total{listener="http",result="ok"} 6`) &&
+			strings.Contains(body, `proxyd_connections_total{listener="socks",result="ok"} 6`)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !counted() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if !counted() {
 		t.Errorf("metrics: %d\n%s", code, grepLines(body, "proxyd_connections_total"))
 	}
 }

@@ -1,0 +1,396 @@
+package forward
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/proxyd/proxyd/forward/socks5"
+	"github.com/proxyd/proxyd/pool"
+)
+
+// Plain "http://" requests go over upstream connections of our own instead
+// of through http.Transport: the handler's goroutine writes the request and
+// reads the answer itself. Transport hands every request to a writer
+// goroutine and every answer back from a reader goroutine; on a quiet
+// machine each hand-off wakes a thread, which cost about 60 µs per request
+// here (a third of what proxyd added to a keep-alive request, BENCHMARKS.md).
+// A request with a body has its body written by a goroutine of its own, so
+// that an early answer (413, 407, ...) is read while the body still flows.
+// "https://" requests in absolute form, which need TLS, stay on Transport.
+
+const (
+	plainIdlePerKey  = 128
+	plainIdleTotal   = 512
+	plainIdleTimeout = 90 * time.Second
+	maxResponseHead  = 1 << 20
+)
+
+var (
+	errHeadTooLarge  = errors.New("response head too large")
+	errUnexpected1xx = errors.New("unexpected informational response")
+	// errStaleConn: a kept connection failed before any byte of the answer
+	// came back; the upstream had closed it while it was idle.
+	errStaleConn      = errors.New("kept upstream connection was closed")
+	errListenerClosed = errors.New("listener closed")
+)
+
+// replayable reports whether a request may be sent again after a kept
+// connection turned out closed: no body, and a method that may be repeated.
+func replayable(req *http.Request) bool {
+	if req.Body != nil && req.Body != http.NoBody {
+		return false
+	}
+	switch req.Method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	return false
+}
+
+// plainConns keeps idle upstream connections for plain requests, per
+// upstream and credential and, through a SOCKS5 upstream, per destination.
+type plainConns struct {
+	d      *dialer
+	spawn  func(func()) bool // runs body writers; false once the listener is closed
+	mu     sync.Mutex
+	idle   map[string][]*plainConn // most recently used last
+	n      int
+	closed bool
+}
+
+func newPlainConns(d *dialer, spawn func(func()) bool) *plainConns {
+	return &plainConns{d: d, spawn: spawn, idle: make(map[string][]*plainConn)}
+}
+
+// plainConn is one upstream connection for plain requests.
+type plainConn struct {
+	pcs   *plainConns
+	key   string
+	conn  net.Conn
+	head  *headLimit
+	br    *bufio.Reader
+	bw    *bufio.Writer
+	timer *time.Timer // closes the connection when idle too long
+}
+
+// roundTrip sends req (whose header is ready for the upstream) and returns
+// the answer's head; its body gives the connection back when read to the
+// end and closed. Dial failures are recorded in ctx's attemptInfo.
+func (pcs *plainConns) roundTrip(ctx context.Context, u *pool.Upstream, req *http.Request) (*http.Response, error) {
+	host, port, err := splitHostPort(req.URL.Host, 80)
+	if err != nil {
+		return nil, err
+	}
+	key := u.ID() + "\x00" + u.Username + "\x00" + u.Password
+	if u.Protocol == pool.SOCKS5 {
+		key += "\x00" + net.JoinHostPort(host, strconv.Itoa(int(port)))
+	}
+	for {
+		pc := pcs.get(key)
+		reused := pc != nil
+		if !reused {
+			if pc, err = pcs.dial(ctx, u, key, socks5.Addr{Host: host, Port: port}); err != nil {
+				return nil, err
+			}
+		}
+		resp, err := pc.roundTrip(ctx, req, u.Protocol != pool.SOCKS5, reused)
+		if errors.Is(err, errStaleConn) && !replayable(req) {
+			err = errors.Unwrap(err) // an upstream failure like any other
+		}
+		if errors.Is(err, errStaleConn) && replayable(req) && ctx.Err() == nil {
+			continue // each turn takes a kept connection out; then it dials
+		}
+		return resp, err
+	}
+}
+
+func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, dest socks5.Addr) (*plainConn, error) {
+	start := time.Now()
+	var (
+		c    net.Conn
+		derr *dialError
+	)
+	if u.Protocol == pool.SOCKS5 {
+		c, derr = pcs.d.tunnel(ctx, u, dest)
+	} else {
+		c, derr = pcs.d.dialTCP(ctx, u)
+	}
+	recordDial(ctx, derr, time.Since(start))
+	if derr != nil {
+		return nil, derr
+	}
+	pc := &plainConn{pcs: pcs, key: key, conn: c, head: &headLimit{r: c, n: -1}}
+	pc.br = bufio.NewReaderSize(pc.head, 4<<10)
+	pc.bw = bufio.NewWriterSize(c, 4<<10)
+	return pc, nil
+}
+
+// get takes the most recently used live idle connection for key, or nil.
+func (pcs *plainConns) get(key string) *plainConn {
+	pcs.mu.Lock()
+	defer pcs.mu.Unlock()
+	list := pcs.idle[key]
+	defer func() {
+		if len(list) == 0 {
+			delete(pcs.idle, key)
+		} else {
+			pcs.idle[key] = list
+		}
+	}()
+	for len(list) > 0 {
+		pc := list[len(list)-1]
+		list[len(list)-1] = nil
+		list = list[:len(list)-1]
+		pcs.n--
+		if !pc.timer.Stop() {
+			continue // its idle timer is closing it
+		}
+		if !peerSilent(pc.conn) {
+			_ = pc.conn.Close()
+			continue
+		}
+		return pc
+	}
+	return nil
+}
+
+// put keeps pc for the next request, or closes it.
+func (pcs *plainConns) put(pc *plainConn) {
+	if pc.br.Buffered() > 0 { // the upstream sent more than its answer
+		_ = pc.conn.Close()
+		return
+	}
+	pcs.mu.Lock()
+	defer pcs.mu.Unlock()
+	if pcs.closed || pcs.n >= plainIdleTotal || len(pcs.idle[pc.key]) >= plainIdlePerKey {
+		_ = pc.conn.Close()
+		return
+	}
+	pcs.idle[pc.key] = append(pcs.idle[pc.key], pc)
+	pcs.n++
+	if pc.timer == nil {
+		pc.timer = time.AfterFunc(plainIdleTimeout, func() { pcs.expire(pc) })
+	} else {
+		pc.timer.Reset(plainIdleTimeout)
+	}
+}
+
+// expire closes pc after it was idle for plainIdleTimeout.
+func (pcs *plainConns) expire(pc *plainConn) {
+	pcs.mu.Lock()
+	list := pcs.idle[pc.key]
+	if i := slices.Index(list, pc); i >= 0 {
+		list = slices.Delete(list, i, i+1)
+		pcs.n--
+		if len(list) == 0 {
+			delete(pcs.idle, pc.key)
+		} else {
+			pcs.idle[pc.key] = list
+		}
+	}
+	pcs.mu.Unlock()
+	_ = pc.conn.Close()
+}
+
+// close closes the idle connections; connections in use are closed when
+// their answer is done.
+func (pcs *plainConns) close() {
+	pcs.mu.Lock()
+	defer pcs.mu.Unlock()
+	pcs.closed = true
+	for k, list := range pcs.idle {
+		for _, pc := range list {
+			pc.timer.Stop()
+			_ = pc.conn.Close()
+		}
+		delete(pcs.idle, k)
+	}
+	pcs.n = 0
+}
+
+// roundTrip writes req and reads the answer's head. Cancelling ctx cuts the
+// connection until the body is closed. A failure of a kept connection before
+// any byte of the answer came back is errStaleConn wrapping the cause.
+func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm, reused bool) (*http.Response, error) {
+	stop := context.AfterFunc(ctx, func() { _ = pc.conn.SetDeadline(time.Unix(1, 0)) })
+	fail := func(err error) (*http.Response, error) {
+		stop()
+		_ = pc.conn.Close()
+		if ctx.Err() != nil {
+			return nil, context.Cause(ctx)
+		}
+		if reused && pc.head.n == maxResponseHead && !isTimeout(err) {
+			err = &staleError{err} // nothing came back
+		}
+		return nil, err
+	}
+	write := func() error {
+		var err error
+		if proxyForm {
+			err = req.WriteProxy(pc.bw)
+		} else {
+			err = req.Write(pc.bw)
+		}
+		if err == nil {
+			err = pc.bw.Flush()
+		}
+		return err
+	}
+	pc.head.n = maxResponseHead
+	var wrote chan error
+	if req.Body == nil || req.Body == http.NoBody {
+		if err := write(); err != nil {
+			return fail(err)
+		}
+	} else {
+		wrote = make(chan error, 1)
+		if !pc.pcs.spawn(func() {
+			err := write()
+			if err != nil {
+				_ = pc.conn.Close() // the upstream waits for the rest: end the attempt
+			}
+			wrote <- err
+		}) {
+			return fail(errListenerClosed)
+		}
+	}
+	resp, err := readHead(pc.br, req)
+	if err != nil {
+		return fail(err)
+	}
+	pc.head.n = -1
+	resp.Body = &plainBody{rc: resp.Body, pc: pc, stop: stop, wrote: wrote, keep: !resp.Close, eof: resp.Body == http.NoBody}
+	return resp, nil
+}
+
+type staleError struct{ err error }
+
+func (e *staleError) Error() string        { return errStaleConn.Error() + ": " + e.err.Error() }
+func (e *staleError) Unwrap() error        { return e.err }
+func (e *staleError) Is(target error) bool { return target == errStaleConn }
+
+// readHead reads a final answer, skipping informational ones (103 Early
+// Hints and the like); 101 cannot answer a plain request.
+func readHead(br *bufio.Reader, req *http.Request) (*http.Response, error) {
+	for range 8 {
+		resp, err := http.ReadResponse(br, req)
+		if err != nil {
+			return nil, err
+		}
+		if resp.StatusCode >= 200 {
+			return resp, nil
+		}
+		if resp.StatusCode == http.StatusSwitchingProtocols {
+			break
+		}
+	}
+	return nil, errUnexpected1xx
+}
+
+// plainBody is an answer's body on a plainConn: read to its end and closed,
+// it gives the connection back for the next request; closed early, it
+// closes the connection (draining could take long).
+type plainBody struct {
+	rc   io.ReadCloser
+	pc   *plainConn
+	stop func() bool
+	// wrote delivers the body writer's end (nil for a request without body).
+	wrote chan error
+	keep  bool // the upstream did not ask to close
+	eof   bool
+	once  sync.Once
+}
+
+func (b *plainBody) Read(p []byte) (int, error) {
+	n, err := b.rc.Read(p)
+	if err == io.EOF {
+		b.eof = true
+	}
+	return n, err
+}
+
+func (b *plainBody) Close() error {
+	b.once.Do(func() {
+		b.pc.head.idle = nil
+		if b.eof && b.keep && b.written() && b.stop() {
+			_ = b.rc.Close()
+			b.pc.pcs.put(b.pc)
+			return
+		}
+		b.stop()
+		_ = b.pc.conn.Close()
+	})
+	return nil
+}
+
+// written reports whether the request's body went out whole.
+func (b *plainBody) written() bool {
+	if b.wrote == nil {
+		return true
+	}
+	select {
+	case err := <-b.wrote:
+		return err == nil
+	default:
+		return false // still writing after the answer: the connection cannot be reused
+	}
+}
+
+// headLimit bounds what an answer's head may take (n >= 0), or reads a
+// body freely (n < 0). Reading a body, it calls idle before it waits for
+// the upstream: the client gets what it was sent so far instead of having
+// it sit in a buffer (streamed answers, long polls).
+type headLimit struct {
+	r    net.Conn
+	n    int64
+	idle func()
+}
+
+func (h *headLimit) Read(p []byte) (int, error) {
+	if h.n < 0 {
+		if h.idle != nil && peerSilent(h.r) {
+			h.idle()
+		}
+		return h.r.Read(p)
+	}
+	if h.n == 0 {
+		return 0, errHeadTooLarge
+	}
+	if int64(len(p)) > h.n {
+		p = p[:h.n]
+	}
+	n, err := h.r.Read(p)
+	h.n -= int64(n)
+	return n, err
+}
+
+// peerSilent reports whether an idle connection has nothing to read: a
+// closed or reset connection, or one the upstream wrote to unasked, is not
+// worth a request. Connections without a socket of their own pass.
+func peerSilent(c net.Conn) bool {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return true
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	silent := false
+	err = rc.Read(func(fd uintptr) bool {
+		var b [1]byte
+		_, _, rerr := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		silent = rerr == syscall.EAGAIN
+		return true
+	})
+	return err == nil && silent
+}

@@ -1,0 +1,399 @@
+package forward
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/pool"
+)
+
+// scriptedUpstream is an HTTP upstream proxy that answers each request on a
+// connection with answer(n, req), n counting requests over all connections.
+// answer returns the raw bytes to write and whether to close afterwards.
+type scriptedUpstream struct {
+	addr   string
+	conns  atomic.Int64
+	closed atomic.Int64 // connections the upstream closed
+	reqs   atomic.Int64
+	mu     sync.Mutex
+	seen   []string // request lines
+}
+
+func startScripted(t *testing.T, answer func(n int64, req *http.Request, c net.Conn) (raw string, close bool)) *scriptedUpstream {
+	su := &scriptedUpstream{}
+	su.addr = startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		su.conns.Add(1)
+		defer su.closed.Add(1)
+		defer c.Close()
+		br := bufio.NewReader(c)
+		for {
+			req, err := http.ReadRequest(br)
+			if err != nil {
+				return
+			}
+			su.mu.Lock()
+			su.seen = append(su.seen, req.Method+" "+req.RequestURI)
+			su.mu.Unlock()
+			n := su.reqs.Add(1)
+			raw, closeAfter := answer(n, req, c)
+			if _, err := io.WriteString(c, raw); err != nil || closeAfter {
+				return
+			}
+			_, _ = io.Copy(io.Discard, req.Body)
+		}
+	})
+	return su
+}
+
+func (su *scriptedUpstream) upstream() *pool.Upstream {
+	return &pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: su.addr}
+}
+
+func okAnswer(body string) string {
+	return fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+}
+
+func getBody(t *testing.T, c *http.Client, url string) (int, string) {
+	t.Helper()
+	resp, err := c.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func failures(p *fakePool) []report {
+	var out []report
+	for _, r := range p.Reports() {
+		if r.res != pool.Success {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// A kept upstream connection that the upstream closed while idle is
+// replaced without a failure for the client or the upstream's record.
+func TestPlainStaleConnectionReplaced(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(n int64, _ *http.Request, _ net.Conn) (string, bool) {
+		// The first answer keeps the connection open, then the upstream
+		// closes it without saying so (as idle timeouts do).
+		return okAnswer(fmt.Sprint("answer-", n)), true
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	c := tl.httpClient(t, "", "")
+	for i := 1; i <= 3; i++ {
+		// The upstream closed the previous connection (on loopback its FIN
+		// has reached proxyd when close returns).
+		waitFor(t, 5*time.Second, func() bool { return su.closed.Load() >= int64(i-1) }, "upstream close")
+		var resp *http.Response
+		var err error
+		if i == 3 { // a request that cannot be sent twice must not meet the dead connection
+			resp, err = c.Post("http://example.test/", "text/plain", strings.NewReader("body"))
+		} else {
+			resp, err = c.Get("http://example.test/")
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if resp.StatusCode != 200 || string(b) != fmt.Sprint("answer-", i) {
+			t.Fatalf("request %d: %d %q", i, resp.StatusCode, b)
+		}
+	}
+	if f := failures(p); len(f) != 0 {
+		t.Errorf("failures reported for a connection closed while idle: %v", f)
+	}
+	p.waitBalanced(t)
+}
+
+// The same, when the close races the request: the connection passes the
+// idle check and fails on use; a repeatable request goes again at once.
+func TestPlainStaleConnectionRace(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(n int64, req *http.Request, c net.Conn) (string, bool) {
+		if n == 2 {
+			return "", true // the kept connection dies with the second request on it
+		}
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	c := tl.httpClient(t, "", "")
+	for i := range 2 {
+		if code, body := getBody(t, c, "http://example.test/x"); code != 200 || body != "fine" {
+			t.Fatalf("request %d: %d %q", i, code, body)
+		}
+	}
+	if n := su.conns.Load(); n != 2 {
+		t.Errorf("upstream connections: %d, want 2", n)
+	}
+	if f := failures(p); len(f) != 0 {
+		t.Errorf("failures reported: %v", f)
+	}
+	p.waitBalanced(t)
+}
+
+// An answer left unread (a 407's body, which proxyd drops) closes its
+// connection: the next answer must not start in the middle of it.
+func TestPlainUnreadAnswerNotReused(t *testing.T) {
+	checkLeaks(t)
+	denied := strings.Repeat("d", 256<<10)
+	su := startScripted(t, func(n int64, _ *http.Request, _ net.Conn) (string, bool) {
+		if n == 1 {
+			return fmt.Sprintf("HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: %d\r\n\r\n%s", len(denied), denied), false
+		}
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	c := tl.httpClient(t, "", "")
+	if code, _ := getBody(t, c, "http://example.test/"); code != http.StatusBadGateway {
+		t.Errorf("upstream answering 407: %d, want 502", code)
+	}
+	if code, body := getBody(t, c, "http://example.test/"); code != 200 || body != "fine" {
+		t.Errorf("next request: %d %q", code, body)
+	}
+	p.waitBalanced(t)
+}
+
+// A request that cannot be sent twice (POST) is not sent again on a fresh
+// connection by the connection layer; the retry rules of DESIGN §7 decide.
+func TestPlainStaleConnectionPOST(t *testing.T) {
+	checkLeaks(t)
+	var posts atomic.Int64
+	su := startScripted(t, func(n int64, req *http.Request, c net.Conn) (string, bool) {
+		if req.Method == http.MethodPost {
+			if posts.Add(1) == 1 {
+				_, _ = io.Copy(io.Discard, req.Body)
+				return "", true // takes the body, then dies
+			}
+		}
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	c := tl.httpClient(t, "", "")
+	if code, _ := getBody(t, c, "http://example.test/"); code != 200 {
+		t.Fatal(code)
+	}
+	resp, err := c.Post("http://example.test/", "text/plain", strings.NewReader("once"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Errorf("POST whose upstream died after taking the body: %d, want 502", resp.StatusCode)
+	}
+	if n := posts.Load(); n != 1 {
+		t.Errorf("upstream saw the POST %d times, want 1", n)
+	}
+	p.waitBalanced(t)
+}
+
+// An upstream that writes more than its answer does not get that connection
+// used again: the extra bytes would be read as the next answer.
+func TestPlainUnsolicitedBytes(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(n int64, _ *http.Request, _ net.Conn) (string, bool) {
+		return okAnswer(fmt.Sprint("answer-", n)) + "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nbogus", false
+	})
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	c := tl.httpClient(t, "", "")
+	for i := 1; i <= 3; i++ {
+		// The extra bytes come in the same write as the answer.
+		if code, body := getBody(t, c, "http://example.test/"); code != 200 || body != fmt.Sprint("answer-", i) {
+			t.Fatalf("request %d: %d %q", i, code, body)
+		}
+	}
+	if n := su.conns.Load(); n != 3 {
+		t.Errorf("upstream connections: %d, want 3 (none reused after unsolicited bytes)", n)
+	}
+}
+
+// Informational answers (103 Early Hints) are skipped; the final answer
+// reaches the client and the connection is kept.
+func TestPlainInformationalAnswers(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(n int64, _ *http.Request, _ net.Conn) (string, bool) {
+		return "HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n" + okAnswer("final"), false
+	})
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	c := tl.httpClient(t, "", "")
+	for range 2 {
+		if code, body := getBody(t, c, "http://example.test/"); code != 200 || body != "final" {
+			t.Fatalf("%d %q", code, body)
+		}
+	}
+	if n := su.conns.Load(); n != 1 {
+		t.Errorf("upstream connections: %d, want 1", n)
+	}
+}
+
+// An answer head past 1 MiB is cut: the client gets a 502, the upstream is
+// blamed, and proxyd did not buffer it all.
+func TestPlainHugeHead(t *testing.T) {
+	checkLeaks(t)
+	big := strings.Repeat("X-Filler: "+strings.Repeat("a", 1000)+"\r\n", 2000) // ~2 MB
+	su := startScripted(t, func(int64, *http.Request, net.Conn) (string, bool) {
+		return "HTTP/1.1 200 OK\r\n" + big + "Content-Length: 0\r\n\r\n", true
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	code, body := getBody(t, tl.httpClient(t, "", ""), "http://example.test/")
+	if code != http.StatusBadGateway || body != textBadGateway {
+		t.Errorf("huge head: %d %q", code, body)
+	}
+	if f := failures(p); len(f) != 1 || !f[0].res.UpstreamFault() {
+		t.Errorf("reports %v, want one upstream fault", f)
+	}
+}
+
+// An upstream that answers before it read the body (413 here) gets its
+// answer to the client at once, and the connection is not used again while
+// the body was not taken.
+func TestPlainEarlyAnswer(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(_ int64, req *http.Request, c net.Conn) (string, bool) {
+		if req.Method == http.MethodPost {
+			return "HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\n\r\nbig", true
+		}
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	c := tl.httpClient(t, "", "")
+	// A body the upstream never reads, larger than the socket buffers,
+	// sent by a client that keeps it coming slowly.
+	pr, pw := io.Pipe()
+	go func() {
+		chunk := make([]byte, 64<<10)
+		for range 64 {
+			if _, err := pw.Write(chunk); err != nil {
+				return
+			}
+		}
+		_ = pw.Close()
+	}()
+	start := time.Now()
+	resp, err := c.Post("http://example.test/upload", "application/octet-stream", pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	_ = pr.Close()
+	if resp.StatusCode != 413 || string(b) != "big" {
+		t.Errorf("early answer: %d %q", resp.StatusCode, b)
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Errorf("early answer took %v", d)
+	}
+	if code, body := getBody(t, c, "http://example.test/"); code != 200 || body != "fine" {
+		t.Errorf("next request: %d %q", code, body)
+	}
+	p.waitBalanced(t)
+}
+
+// A client that leaves in the middle of an answer gets what the upstream
+// sent so far at once, and its upstream connection does not stay in the idle
+// set with the rest of the answer unread: proxyd closes it and sends nothing
+// more on it.
+func TestPlainClientLeavesMidAnswer(t *testing.T) {
+	checkLeaks(t)
+	var after atomic.Int64 // bytes proxyd sent on the cut connection
+	slowDone := make(chan struct{})
+	su := startScripted(t, func(n int64, req *http.Request, c net.Conn) (string, bool) {
+		if req.URL.Path == "/slow" {
+			defer close(slowDone)
+			_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\npartial")
+			_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+			m, _ := io.Copy(io.Discard, c) // until proxyd closes it
+			after.Store(m)
+			return "", true
+		}
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	c := tl.httpClient(t, "", "")
+	start := time.Now()
+	resp, err := c.Get("http://example.test/slow")
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 7)
+	if _, err := io.ReadFull(resp.Body, buf); err != nil || string(buf) != "partial" {
+		t.Fatalf("partial body: %q %v", buf, err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("the first bytes of the answer took %v: held in a buffer", d)
+	}
+	_ = resp.Body.Close() // the client leaves
+	c.Transport.(*http.Transport).CloseIdleConnections()
+	if code, body := getBody(t, c, "http://example.test/"); code != 200 || body != "fine" {
+		t.Errorf("next request: %d %q", code, body)
+	}
+	select {
+	case <-slowDone:
+	case <-time.After(5 * time.Second):
+		t.Fatal("proxyd kept the upstream connection of an answer its client left")
+	}
+	if m := after.Load(); m != 0 {
+		t.Errorf("proxyd sent %d bytes on the upstream connection of an unfinished answer", m)
+	}
+	p.waitBalanced(t)
+}
+
+// A streamed answer reaches the client piece by piece: each chunk arrives
+// before the upstream sends the next one (it waits for the client to have it).
+func TestPlainStreamedAnswer(t *testing.T) {
+	checkLeaks(t)
+	got := make(chan struct{}, 1)
+	su := startScripted(t, func(_ int64, _ *http.Request, c net.Conn) (string, bool) {
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+		for i := range 3 {
+			fmt.Fprintf(c, "6\r\nevent%d\r\n", i)
+			select {
+			case <-got:
+			case <-time.After(5 * time.Second):
+				return "", true // the client never saw it: the test fails below
+			}
+		}
+		return "0\r\n\r\n", false
+	})
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	resp, err := tl.httpClient(t, "", "").Get("http://example.test/stream")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	buf := make([]byte, 6)
+	for i := range 3 {
+		start := time.Now()
+		if _, err := io.ReadFull(resp.Body, buf); err != nil || string(buf) != fmt.Sprint("event", i) {
+			t.Fatalf("chunk %d: %q %v", i, buf, err)
+		}
+		if d := time.Since(start); d > 2*time.Second {
+			t.Errorf("chunk %d took %v: held in a buffer", i, d)
+		}
+		got <- struct{}{}
+	}
+	if rest, err := io.ReadAll(resp.Body); err != nil || len(rest) != 0 {
+		t.Errorf("end of stream: %q %v", rest, err)
+	}
+}
