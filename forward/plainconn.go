@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -32,6 +33,7 @@ const (
 	plainIdleTotal   = 512
 	plainIdleTimeout = 90 * time.Second
 	maxResponseHead  = 1 << 20
+	maxBodyWriteWait = 50 * time.Millisecond
 )
 
 var (
@@ -253,10 +255,15 @@ func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm
 		}
 	} else {
 		wrote = make(chan error, 1)
+		body := &clientBody{ReadCloser: req.Body}
+		req.Body = body
 		if !pc.pcs.spawn(func() {
 			err := write()
-			if err != nil {
-				_ = pc.conn.Close() // the upstream waits for the rest: end the attempt
+			if err != nil && body.failed.Load() {
+				// The upstream waits for the rest of a body that will not
+				// come: end the attempt. (When writing to the upstream
+				// failed, its answer may still be there to read.)
+				_ = pc.conn.Close()
 			}
 			wrote <- err
 		}) {
@@ -270,6 +277,20 @@ func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm
 	pc.head.n = -1
 	resp.Body = &plainBody{rc: resp.Body, pc: pc, stop: stop, wrote: wrote, keep: !resp.Close, eof: resp.Body == http.NoBody}
 	return resp, nil
+}
+
+// clientBody notes whether reading the client's request body failed.
+type clientBody struct {
+	io.ReadCloser
+	failed atomic.Bool
+}
+
+func (b *clientBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err != nil && err != io.EOF {
+		b.failed.Store(true)
+	}
+	return n, err
 }
 
 type staleError struct{ err error }
@@ -341,7 +362,17 @@ func (b *plainBody) written() bool {
 	case err := <-b.wrote:
 		return err == nil
 	default:
-		return false // still writing after the answer: the connection cannot be reused
+	}
+	// The answer is complete: the writer is done or about to say so. One
+	// still writing after a short while (an upstream that answered without
+	// reading the body) leaves a connection that cannot be reused.
+	wait := time.NewTimer(maxBodyWriteWait)
+	defer wait.Stop()
+	select {
+	case err := <-b.wrote:
+		return err == nil
+	case <-wait.C:
+		return false
 	}
 }
 

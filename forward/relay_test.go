@@ -1,7 +1,9 @@
 package forward
 
 import (
+	"net"
 	"sync/atomic"
+	"syscall"
 	"testing"
 )
 
@@ -27,5 +29,36 @@ func TestRelayLargeBufferRation(t *testing.T) {
 	tu.putBuf(small)
 	if large.Load() != maxLargeBufs {
 		t.Fatalf("a small buffer changed the ration: %d", large.Load())
+	}
+}
+
+// A tunnel's client on this machine gets a fixed send buffer instead of
+// autotuning's 4 MiB.
+func TestLoopbackClientSendBuffer(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	sndbuf := func() int {
+		rc, _ := s.(*net.TCPConn).SyscallConn()
+		var v int
+		_ = rc.Control(func(fd uintptr) { v, _ = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUF) })
+		return v
+	}
+	before := sndbuf()
+	tuneClientConn(s)
+	if got := sndbuf(); got != 2*loopbackSendBuf {
+		t.Errorf("send buffer %d (before %d), want %d", got, before, 2*loopbackSendBuf)
 	}
 }
