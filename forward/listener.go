@@ -347,6 +347,7 @@ func (a *acceptor) Accept() (net.Conn, error) {
 			continue
 		}
 		cc := &clientConn{Conn: c, l: l}
+		cc.raw = newRawIO(c)
 		l.mu.Lock()
 		if l.closed {
 			l.mu.Unlock()
@@ -412,16 +413,29 @@ type clientConn struct {
 	outcome  atomic.Int32 // Outcome+1; 0 = nothing served yet
 	fresh    atomic.Bool  // HTTP: accepted, no request byte read yet
 	closeErr error
+	raw      *rawIO // nil: through Conn
 }
 
 func (c *clientConn) Read(p []byte) (int, error) {
-	n, err := c.Conn.Read(p)
+	var n int
+	var err error
+	if c.raw != nil {
+		n, err = c.raw.read(p)
+	} else {
+		n, err = c.Conn.Read(p)
+	}
 	c.up.Add(int64(n))
 	return n, err
 }
 
 func (c *clientConn) Write(p []byte) (int, error) {
-	n, err := c.Conn.Write(p)
+	var n int
+	var err error
+	if c.raw != nil {
+		n, err = c.raw.write(p)
+	} else {
+		n, err = c.Conn.Write(p)
+	}
 	c.down.Add(int64(n))
 	return n, err
 }

@@ -105,9 +105,6 @@ func (pcs *plainConns) roundTrip(ctx context.Context, u *pool.Upstream, req *htt
 			}
 		}
 		resp, err := pc.roundTrip(ctx, req, u.Protocol != pool.SOCKS5, reused)
-		if errors.Is(err, errStaleConn) && !replayable(req) {
-			err = errors.Unwrap(err) // an upstream failure like any other
-		}
 		if errors.Is(err, errStaleConn) && replayable(req) && ctx.Err() == nil {
 			continue // each turn takes a kept connection out; then it dials
 		}
@@ -130,6 +127,7 @@ func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, d
 	if derr != nil {
 		return nil, derr
 	}
+	c = withRawIO(c)
 	pc := &plainConn{pcs: pcs, key: key, conn: c, head: &headLimit{r: c, n: -1}}
 	pc.br = bufio.NewReaderSize(pc.head, 4<<10)
 	pc.bw = bufio.NewWriterSize(c, 4<<10)
@@ -259,6 +257,9 @@ func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm
 		req.Body = body
 		if !pc.pcs.spawn(func() {
 			err := write()
+			if err == nil {
+				bodySent(ctx)
+			}
 			if err != nil && body.failed.Load() {
 				// The upstream waits for the rest of a body that will not
 				// come: end the attempt. (When writing to the upstream

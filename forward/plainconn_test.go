@@ -2,6 +2,7 @@ package forward
 
 import (
 	"bufio"
+	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -19,12 +20,13 @@ import (
 // connection with answer(n, req), n counting requests over all connections.
 // answer returns the raw bytes to write and whether to close afterwards.
 type scriptedUpstream struct {
-	addr   string
-	conns  atomic.Int64
-	closed atomic.Int64 // connections the upstream closed
-	reqs   atomic.Int64
-	mu     sync.Mutex
-	seen   []string // request lines
+	addr    string
+	conns   atomic.Int64
+	closed  atomic.Int64 // connections the upstream closed
+	reqs    atomic.Int64
+	mu      sync.Mutex
+	seen    []string // request lines
+	headers []http.Header
 }
 
 func startScripted(t *testing.T, answer func(n int64, req *http.Request, c net.Conn) (raw string, close bool)) *scriptedUpstream {
@@ -41,6 +43,7 @@ func startScripted(t *testing.T, answer func(n int64, req *http.Request, c net.C
 			}
 			su.mu.Lock()
 			su.seen = append(su.seen, req.Method+" "+req.RequestURI)
+			su.headers = append(su.headers, req.Header)
 			su.mu.Unlock()
 			n := su.reqs.Add(1)
 			raw, closeAfter := answer(n, req, c)
@@ -395,5 +398,153 @@ func TestPlainStreamedAnswer(t *testing.T) {
 	}
 	if rest, err := io.ReadAll(resp.Body); err != nil || len(rest) != 0 {
 		t.Errorf("end of stream: %q %v", rest, err)
+	}
+}
+
+// An upstream that refuses a large upload at once (413, then closes, as
+// servers do) gets its answer to the client, and is not blamed.
+func TestPlainEarlyAnswerThenClose(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(int64, *http.Request, net.Conn) (string, bool) {
+		return "HTTP/1.1 413 Content Too Large\r\nConnection: close\r\nContent-Length: 3\r\n\r\nbig", true
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	c := tl.httpClient(t, "", "")
+	body := make([]byte, 4<<20)
+	for i := range 10 {
+		resp, err := c.Post("http://example.test/upload", "application/octet-stream", bytes.NewReader(body))
+		if err != nil {
+			t.Fatalf("upload %d: %v", i, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if resp.StatusCode != 413 || string(b) != "big" {
+			t.Errorf("upload %d: %d %q", i, resp.StatusCode, b)
+		}
+	}
+	if f := failures(p); len(f) != 0 {
+		t.Errorf("failures reported: %v", f)
+	}
+	p.waitBalanced(t)
+}
+
+// "Expect: 100-continue": the body waits for the upstream's go-ahead, so an
+// upstream that refuses the upload at once costs the client no upload.
+func TestPlainExpectContinue(t *testing.T) {
+	checkLeaks(t)
+	var bodyBytes atomic.Int64
+	su := startScripted(t, func(_ int64, req *http.Request, c net.Conn) (string, bool) {
+		// Answer without asking for the body; count what came anyway.
+		_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+		n, _ := io.Copy(io.Discard, req.Body)
+		bodyBytes.Store(n)
+		return "HTTP/1.1 401 Unauthorized\r\nContent-Length: 2\r\nConnection: close\r\n\r\nno", true
+	})
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	conn, err := net.Dial("tcp", tl.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(conn, "PUT http://example.test/big HTTP/1.1\r\nHost: example.test\r\nExpect: 100-continue\r\nContent-Length: 100000000\r\n\r\n")
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 401 {
+		t.Errorf("first answer %d, want the upstream's 401 (no 100 Continue before the upstream asked)", resp.StatusCode)
+	}
+	if n := bodyBytes.Load(); n != 0 {
+		t.Errorf("upstream got %d body bytes it never asked for", n)
+	}
+}
+
+// A kept connection closed under a POST (an idle close racing the request)
+// is not the upstream's failure.
+func TestPlainStalePOSTNotBlamed(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(n int64, _ *http.Request, _ net.Conn) (string, bool) {
+		if n == 2 {
+			return "", true // takes the request, closes
+		}
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	c := tl.httpClient(t, "", "")
+	if code, _ := getBody(t, c, "http://example.test/"); code != 200 {
+		t.Fatal(code)
+	}
+	resp, err := c.Post("http://example.test/", "text/plain", strings.NewReader("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	if resp.StatusCode != 200 && resp.StatusCode != http.StatusBadGateway {
+		t.Errorf("POST on a kept connection closed under it: %d", resp.StatusCode)
+	}
+	if f := failures(p); len(f) != 1 || f[0].res != pool.Canceled {
+		t.Errorf("reports %v, want one without verdict", f)
+	}
+	p.waitBalanced(t)
+}
+
+// A client uploading slower than the answer timeout: the wait for the
+// upstream's answer starts when the body is through.
+func TestPlainSlowUpload(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(_ int64, req *http.Request, _ net.Conn) (string, bool) {
+		_, _ = io.Copy(io.Discard, req.Body)
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed, ResponseTimeout: 300 * time.Millisecond}, p)
+	pr, pw := io.Pipe()
+	go func() {
+		tick := time.NewTicker(100 * time.Millisecond) // the upload's pace, not a wait for a condition
+		defer tick.Stop()
+		for range 8 {
+			<-tick.C
+			if _, err := pw.Write([]byte("x")); err != nil {
+				return
+			}
+		}
+		_ = pw.Close()
+	}()
+	resp, err := tl.httpClient(t, "", "").Post("http://example.test/", "text/plain", pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Errorf("slow upload: %d", resp.StatusCode)
+	}
+	if f := failures(p); len(f) != 0 {
+		t.Errorf("failures reported: %v", f)
+	}
+}
+
+// proxyd adds no User-Agent of its own to a request that has none.
+func TestPlainNoUserAgentAdded(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(int64, *http.Request, net.Conn) (string, bool) { return okAnswer("fine"), false })
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	conn, err := net.Dial("tcp", tl.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(conn, "GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	if resp, err := http.ReadResponse(bufio.NewReader(conn), nil); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("%v %v", resp, err)
+	}
+	su.mu.Lock()
+	defer su.mu.Unlock()
+	if ua, ok := su.headers[0]["User-Agent"]; ok {
+		t.Errorf("upstream got User-Agent %q", ua)
 	}
 }

@@ -152,18 +152,17 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 		if bp == nil {
 			bp = relayBufs.Get().(*[]byte)
 		}
-		for {
-			r, rerr = syscall.Read(int(fd), *bp)
-			switch rerr {
-			case syscall.EINTR:
-				continue
-			case syscall.EAGAIN:
-				t.putBuf(bp)
-				bp = nil
-				return false
-			}
-			return true
+		n, errno := rawRead(fd, *bp)
+		if errno == syscall.EAGAIN {
+			t.putBuf(bp)
+			bp = nil
+			return false
 		}
+		r = n
+		if errno != 0 {
+			r, rerr = -1, errno
+		}
+		return true
 	}
 	for {
 		now := time.Now()

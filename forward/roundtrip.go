@@ -27,6 +27,41 @@ type attemptInfo struct {
 	dialErr  *dialError
 	dialed   bool
 	dialTook time.Duration
+	head     *headTimer
+}
+
+// headTimer ends an attempt that waits too long for the answer's head. For
+// a request with a body it starts once the body is sent: a client uploading
+// slowly is not the upstream's delay.
+type headTimer struct {
+	mu      sync.Mutex
+	d       time.Duration
+	f       func()
+	t       *time.Timer
+	stopped bool
+}
+
+func (h *headTimer) start() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.stopped && h.t == nil {
+		h.t = time.AfterFunc(h.d, h.f)
+	}
+}
+
+// stop reports whether the wait had not ended.
+func (h *headTimer) stop() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.stopped = true
+	return h.t == nil || h.t.Stop()
+}
+
+// bodySent starts the head wait of the attempt in ctx.
+func bodySent(ctx context.Context) {
+	if info, _ := ctx.Value(attemptKey).(*attemptInfo); info != nil && info.head != nil {
+		info.head.start()
+	}
 }
 
 func recordDial(ctx context.Context, derr *dialError, took time.Duration) {
@@ -280,7 +315,6 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		if err != nil || up == nil {
 			break
 		}
-		info := &attemptInfo{}
 		// Wait for the answer's head up to ResponseTimeout, but for a request
 		// without body (which another upstream could take) only as long as
 		// the retry budget lasts: an upstream that accepts and never answers
@@ -289,8 +323,9 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		if rb == nil {
 			headWait = min(headWait, max(l.cfg.RetryBudget-time.Since(start), time.Millisecond))
 		}
+		info := &attemptInfo{}
 		actx, cancelAttempt := context.WithCancelCause(context.WithValue(ctx, attemptKey, info))
-		timer := time.AfterFunc(headWait, func() { cancelAttempt(errHeadTimeout) })
+		info.head = &headTimer{d: headWait, f: func() { cancelAttempt(errHeadTimeout) }}
 		out := req.WithContext(actx)
 		if body != nil {
 			out.Body = body
@@ -300,6 +335,9 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		// is about its own connection: the upstream connection stays open
 		// for the next request.
 		out.Close = false
+		if _, ok := out.Header["User-Agent"]; !ok {
+			out.Header["User-Agent"] = []string{""} // or Go would name itself
+		}
 		if up.Protocol != pool.SOCKS5 && req.URL.Scheme == "http" {
 			if a := basicAuth(up); a != "" {
 				out.Header.Set("Proxy-Authorization", a)
@@ -307,18 +345,29 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		}
 		t0 := time.Now()
 		var resp *http.Response
-		if out.URL.Scheme == "http" {
+		// Our own connections, but for TLS to the destination and for
+		// "Expect: 100-continue", where Transport holds the body back until
+		// the upstream asks for it. A request with a body on Transport has
+		// Transport's own wait for the head, which starts after the body.
+		if out.URL.Scheme == "http" && out.Header.Get("Expect") == "" {
+			if rb == nil {
+				info.head.start()
+			}
 			resp, err = l.plain.roundTrip(actx, up, out)
 		} else {
+			if rb == nil {
+				info.head.start()
+			}
 			resp, err = l.transports.get(up).RoundTrip(out)
 		}
 		took := time.Since(t0)
-		if !timer.Stop() && err == nil {
+		if !info.head.stop() && err == nil {
 			_ = resp.Body.Close() // the head came just as the wait ended
 			resp, err = nil, errHeadTimeout
 		}
 		derr, dialed, dialTook := info.get()
 		var res pool.Result
+		stale := errors.Is(err, errStaleConn)
 		switch {
 		case err == nil && up.Protocol != pool.SOCKS5 && resp.StatusCode == http.StatusProxyAuthRequired:
 			_ = resp.Body.Close()
@@ -328,6 +377,10 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		case rb != nil && rb.bad.Load():
 			res = pool.Canceled // the client's body was broken or cut: no verdict on the upstream
 			status = http.StatusBadRequest
+		case stale, errors.Is(err, errListenerClosed):
+			// A kept connection the other side closed while idle, or the
+			// listener closing: no verdict on the upstream.
+			res = pool.Canceled
 		case derr != nil:
 			res = derr.result
 		case ctx.Err() != nil:
@@ -365,6 +418,9 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		l.pool.Report(up, res, took)
 		l.pool.Release(up)
 		outcome = OutcomeUpstreamError
+		if stale {
+			continue // again if the body can still be sent
+		}
 		if res == pool.Canceled {
 			outcome = OutcomeClientError
 			break
