@@ -2,6 +2,7 @@ package forward
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"log/slog"
@@ -35,7 +36,7 @@ func benchListener(b *testing.B, cfg Config, p Pool) string {
 	if err != nil {
 		b.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := Listen(context.Background(), "127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -346,6 +346,7 @@ func (a *acceptor) Accept() (net.Conn, error) {
 			l.rejectOverCap(c)
 			continue
 		}
+		keepAliveRemote(c)
 		cc := &clientConn{Conn: c, l: l}
 		cc.raw = newRawIO(c)
 		l.mu.Lock()
@@ -359,6 +360,27 @@ func (a *acceptor) Accept() (net.Conn, error) {
 		l.active.Add(1)
 		l.mu.Unlock()
 		return cc, nil
+	}
+}
+
+// Listen opens a listening socket for Serve. It leaves TCP keep-alive off
+// on accepted connections: Serve turns it on for clients on other machines,
+// whose silent end only probes reveal. A client on this machine needs none
+// (its end is known at once), which saves four system calls per connection.
+func Listen(ctx context.Context, address string) (net.Listener, error) {
+	lc := net.ListenConfig{KeepAlive: -1}
+	return lc.Listen(ctx, "tcp", address)
+}
+
+// keepAliveRemote turns TCP keep-alive on for a client on another machine,
+// with Go's default timings (15 s idle and interval, 9 probes).
+func keepAliveRemote(c net.Conn) {
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return
+	}
+	if ra, ok := tc.RemoteAddr().(*net.TCPAddr); ok && !ra.IP.IsLoopback() {
+		_ = tc.SetKeepAliveConfig(net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 9})
 	}
 }
 

@@ -32,33 +32,41 @@ func TestRelayLargeBufferRation(t *testing.T) {
 	}
 }
 
-// A tunnel's client on this machine gets a fixed send buffer instead of
-// autotuning's 4 MiB.
-func TestLoopbackClientSendBuffer(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
+// Clients on this machine get no TCP keep-alive (Listen leaves it off and
+// Serve turns it on only for other machines), and a tunnel's client the
+// fixed send buffer.
+func TestLocalClientSocketOptions(t *testing.T) {
+	checkLeaks(t)
+	u := newHTTPUpstream(t, "", "", nil)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(u.upstream(1)))
+	c, _, resp := rawConnect(t, tl.addr, echo, "")
+	if resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %d", resp.StatusCode)
 	}
 	defer c.Close()
-	s, err := ln.Accept()
+	tl.mu.Lock()
+	var conns []*clientConn
+	for cc := range tl.conns {
+		conns = append(conns, cc)
+	}
+	tl.mu.Unlock()
+	if len(conns) != 1 {
+		t.Fatalf("%d client connections", len(conns))
+	}
+	rc, err := conns[0].Conn.(*net.TCPConn).SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer s.Close()
-	sndbuf := func() int {
-		rc, _ := s.(*net.TCPConn).SyscallConn()
-		var v int
-		_ = rc.Control(func(fd uintptr) { v, _ = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUF) })
-		return v
+	var keepAlive, sndbuf int
+	_ = rc.Control(func(fd uintptr) {
+		keepAlive, _ = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_KEEPALIVE)
+		sndbuf, _ = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUF)
+	})
+	if keepAlive != 0 {
+		t.Errorf("SO_KEEPALIVE %d on a loopback client's connection", keepAlive)
 	}
-	before := sndbuf()
-	tuneClientConn(s)
-	if got := sndbuf(); got != 2*loopbackSendBuf {
-		t.Errorf("send buffer %d (before %d), want %d", got, before, 2*loopbackSendBuf)
+	if sndbuf != 2*loopbackSendBuf {
+		t.Errorf("SO_SNDBUF %d, want %d", sndbuf, 2*loopbackSendBuf)
 	}
 }

@@ -613,7 +613,7 @@ func startListener(t *testing.T, cfg Config, p Pool) *testListener {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", cfg.Address)
+	ln, err := Listen(context.Background(), cfg.Address)
 	if err != nil {
 		t.Fatal(err)
 	}

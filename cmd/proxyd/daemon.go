@@ -250,7 +250,7 @@ func (d *daemon) startListener(lc listenerConfig, acc *acceptor) error {
 		return fmt.Errorf("listener %s: %w", lc.Name, err)
 	}
 	if acc == nil {
-		ln, err := net.Listen("tcp", lc.Address)
+		ln, err := forward.Listen(context.Background(), lc.Address)
 		if err != nil {
 			return fmt.Errorf("listener %s: %w", lc.Name, err)
 		}
