@@ -124,9 +124,20 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 	return nil, derr
 }
 
+// socksHandshake reads the upstream's answers through a small buffer: a
+// reply and its address come in one read instead of two, and bytes the
+// destination sent right behind the reply are kept for the client.
 func socksHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *dialError) {
-	_, err := socks5.ClientHandshake(c, dest, u.Username, u.Password)
+	br := bufio.NewReaderSize(c, 512)
+	_, err := socks5.ClientHandshake(struct {
+		io.Reader
+		io.Writer
+	}{br, c}, dest, u.Username, u.Password)
 	if err == nil {
+		if n := br.Buffered(); n > 0 {
+			head, _ := br.Peek(n)
+			return &prefixConn{Conn: c, prefix: append([]byte(nil), head...)}, nil
+		}
 		return c, nil
 	}
 	var re *socks5.ReplyError

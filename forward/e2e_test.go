@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"strings"
 	"sync"
@@ -523,10 +524,16 @@ func TestConnectUpstreamSendsEarly(t *testing.T) {
 		_, _ = io.WriteString(c, "220 banner\r\n")
 		echoServe(c)
 	})
-	u := newHTTPUpstream(t, "", "", nil)
-	u.mode.Store(int32(modeBanner))
-	for _, proto := range []string{"http", "socks5"} {
-		tl := startListener(t, Config{Protocol: proto, AllowDestinations: loopbackAllowed}, newFakePool(u.upstream(1)))
+	hu := newHTTPUpstream(t, "", "", nil)
+	hu.mode.Store(int32(modeBanner))
+	su := newSOCKSUpstream(t, "", "", nil)
+	su.mode.Store(int32(modeBanner))
+	for _, tc := range []struct {
+		proto string
+		up    *pool.Upstream
+	}{{"http", hu.upstream(1)}, {"socks5", hu.upstream(1)}, {"http", su.upstream(1)}, {"socks5", su.upstream(1)}} {
+		proto := tc.proto
+		tl := startListener(t, Config{Protocol: proto, AllowDestinations: loopbackAllowed}, newFakePool(tc.up))
 		var c net.Conn
 		var r io.Reader
 		if proto == "http" {
@@ -548,11 +555,42 @@ func TestConnectUpstreamSendsEarly(t *testing.T) {
 		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
 		got := make([]byte, len("220 banner\r\n"))
 		if _, err := io.ReadFull(r, got); err != nil || string(got) != "220 banner\r\n" {
-			t.Fatalf("%s: banner %q %v", proto, got, err)
+			t.Fatalf("%s via %s: banner %q %v", proto, tc.up.Protocol, got, err)
 		}
 		bigTransfer(t, c, r, 10000)
 		_ = c.Close()
 	}
+}
+
+// TestSOCKSClientSendsEarly: a SOCKS5 client that sends its greeting, its
+// request and its first bytes at once (without waiting for the answers) has
+// those bytes reach the destination.
+func TestSOCKSClientSendsEarly(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
+		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+		tl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, newFakePool(up))
+		c, err := net.Dial("tcp", tl.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		ap := netip.MustParseAddrPort(echo)
+		ip := ap.Addr().As4()
+		msg := []byte{5, 1, 0, 5, 1, 0, 1, ip[0], ip[1], ip[2], ip[3], byte(ap.Port() >> 8), byte(ap.Port())}
+		msg = append(msg, "early bytes"...)
+		if _, err := c.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		head := make([]byte, 2+10)
+		if _, err := io.ReadFull(c, head); err != nil || head[1] != 0 || head[3] != 0 {
+			t.Fatalf("answers % x %v", head, err)
+		}
+		got := make([]byte, len("early bytes"))
+		if _, err := io.ReadFull(c, got); err != nil || string(got) != "early bytes" {
+			t.Fatalf("echo of the early bytes: %q %v", got, err)
+		}
+	})
 }
 
 // TestManyTunnelsPingPong: many tunnels exchanging small messages at once;

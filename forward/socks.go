@@ -1,7 +1,9 @@
 package forward
 
 import (
+	"bufio"
 	"errors"
+	"io"
 	"net"
 	"time"
 
@@ -48,7 +50,14 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 			return err == nil
 		},
 	}
-	req, err := socks5.ReadRequest(cc, scfg)
+	// Through a small buffer: a greeting and its methods, or a request and
+	// its address, come in one read; what a client sends right behind its
+	// request (without waiting for the reply) goes upstream first.
+	br := bufio.NewReaderSize(cc, 512)
+	req, err := socks5.ReadRequest(struct {
+		io.Reader
+		io.Writer
+	}{br, cc}, scfg)
 	if err != nil {
 		var re *socks5.RequestError
 		switch {
@@ -87,7 +96,11 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 	}
 	_ = cc.SetDeadline(time.Time{})
 	cc.setOutcome(OutcomeOK)
-	l.startRelay(cc, upc, up, nil)
+	var pending []byte
+	if n := br.Buffered(); n > 0 {
+		pending, _ = br.Peek(n)
+	}
+	l.startRelay(cc, upc, up, pending)
 }
 
 // bindAddr is the address reported to the client: our side of the upstream

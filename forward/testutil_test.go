@@ -2,6 +2,7 @@ package forward
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/base64"
 	"errors"
@@ -518,7 +519,17 @@ func (s *socksUpstream) serveConn(c net.Conn) {
 	defer dc.Close()
 	s.conns.Store(dc, struct{}{})
 	defer s.conns.Delete(dc)
-	if err := socks5.WriteReply(c, socks5.ReplySucceeded, socks5.Addr{Host: "127.0.0.1", Port: 1}); err != nil {
+	var reply bytes.Buffer
+	_ = socks5.WriteReply(&reply, socks5.ReplySucceeded, socks5.Addr{Host: "127.0.0.1", Port: 1})
+	if upstreamMode(s.mode.Load()) == modeBanner {
+		// The reply and the destination's first bytes in one write.
+		buf := make([]byte, 512)
+		_ = dc.SetReadDeadline(time.Now().Add(2 * time.Second))
+		n, _ := dc.Read(buf)
+		_ = dc.SetReadDeadline(time.Time{})
+		reply.Write(buf[:n])
+	}
+	if _, err := c.Write(reply.Bytes()); err != nil {
 		return
 	}
 	pipe(c, dc)
