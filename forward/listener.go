@@ -17,6 +17,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -347,8 +348,10 @@ func (a *acceptor) Accept() (net.Conn, error) {
 			continue
 		}
 		keepAliveRemote(c)
-		cc := &clientConn{Conn: c, l: l}
-		cc.raw = newRawIO(c)
+		cc := &clientConn{Conn: c, l: l, rw: c}
+		if r := newRawIO(c); r != nil {
+			cc.rw = r
+		}
 		l.mu.Lock()
 		if l.closed {
 			l.mu.Unlock()
@@ -435,29 +438,17 @@ type clientConn struct {
 	outcome  atomic.Int32 // Outcome+1; 0 = nothing served yet
 	fresh    atomic.Bool  // HTTP: accepted, no request byte read yet
 	closeErr error
-	raw      *rawIO // nil: through Conn
+	rw       io.ReadWriter // Conn, or its socket's rawIO
 }
 
 func (c *clientConn) Read(p []byte) (int, error) {
-	var n int
-	var err error
-	if c.raw != nil {
-		n, err = c.raw.read(p)
-	} else {
-		n, err = c.Conn.Read(p)
-	}
+	n, err := c.rw.Read(p)
 	c.up.Add(int64(n))
 	return n, err
 }
 
 func (c *clientConn) Write(p []byte) (int, error) {
-	var n int
-	var err error
-	if c.raw != nil {
-		n, err = c.raw.write(p)
-	} else {
-		n, err = c.Conn.Write(p)
-	}
+	n, err := c.rw.Write(p)
 	c.down.Add(int64(n))
 	return n, err
 }

@@ -24,6 +24,7 @@ type rawIO struct {
 }
 
 // newRawIO returns nil for a connection without a socket of its own.
+// A rawIO is an io.ReadWriter.
 func newRawIO(c net.Conn) *rawIO {
 	sc, ok := c.(syscall.Conn)
 	if !ok {
@@ -36,7 +37,7 @@ func newRawIO(c net.Conn) *rawIO {
 	return &rawIO{rc: rc, laddr: c.LocalAddr(), raddr: c.RemoteAddr()}
 }
 
-func (r *rawIO) read(p []byte) (int, error) {
+func (r *rawIO) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
@@ -59,7 +60,7 @@ func (r *rawIO) read(p []byte) (int, error) {
 	return n, nil
 }
 
-func (r *rawIO) write(p []byte) (int, error) {
+func (r *rawIO) Write(p []byte) (int, error) {
 	var (
 		n     int
 		errno syscall.Errno
@@ -118,8 +119,8 @@ func withRawIO(c net.Conn) net.Conn {
 	return c
 }
 
-func (c *rawConn) Read(p []byte) (int, error)  { return c.io.read(p) }
-func (c *rawConn) Write(p []byte) (int, error) { return c.io.write(p) }
+func (c *rawConn) Read(p []byte) (int, error)  { return c.io.Read(p) }
+func (c *rawConn) Write(p []byte) (int, error) { return c.io.Write(p) }
 
 // SyscallConn gives the socket, for readiness checks.
 func (c *rawConn) SyscallConn() (syscall.RawConn, error) { return c.io.rc, nil }

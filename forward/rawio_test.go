@@ -12,20 +12,7 @@ import (
 // rawConn behaves as the net.Conn it wraps: data both ways, deadlines as
 // timeouts, EOF at the peer's close, errors for a closed connection.
 func TestRawConn(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	peer, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer peer.Close()
-	s, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	peer, s := tcpPair(t)
 	c := withRawIO(s)
 	if _, ok := c.(*rawConn); !ok {
 		t.Fatalf("withRawIO(%T) = %T", s, c)
@@ -64,7 +51,7 @@ func TestRawConn(t *testing.T) {
 	}
 
 	_ = c.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
-	_, err = c.Read(buf)
+	_, err := c.Read(buf)
 	var ne net.Error
 	if !errors.As(err, &ne) || !ne.Timeout() || !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Errorf("Read past the deadline: %v", err)
@@ -86,19 +73,7 @@ func TestRawConn(t *testing.T) {
 
 // A write to a connection the peer reset is an error naming the system call.
 func TestRawConnReset(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	peer, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	peer, s := tcpPair(t)
 	c := withRawIO(s)
 	defer c.Close()
 	_ = peer.(*net.TCPConn).SetLinger(0)
@@ -113,4 +88,26 @@ func TestRawConnReset(t *testing.T) {
 	if !errors.As(werr, &se) {
 		t.Errorf("write after reset: %v", werr)
 	}
+}
+
+// tcpPair is a connected pair of loopback TCP connections, closed when the
+// test ends.
+func tcpPair(t *testing.T) (dialed, accepted net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	dialed, err = net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dialed.Close() })
+	accepted, err = ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = accepted.Close() })
+	return dialed, accepted
 }
