@@ -60,6 +60,20 @@ func (su *scriptedUpstream) upstream() *pool.Upstream {
 	return &pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: su.addr}
 }
 
+// hasSilentIdle reports whether an idle connection has nothing to read.
+func (pcs *plainConns) hasSilentIdle() bool {
+	pcs.mu.Lock()
+	defer pcs.mu.Unlock()
+	for _, list := range pcs.idle {
+		for _, pc := range list {
+			if peerSilent(pc.conn) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 func okAnswer(body string) string {
 	return fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 }
@@ -98,9 +112,9 @@ func TestPlainStaleConnectionReplaced(t *testing.T) {
 	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
 	c := tl.httpClient(t, "", "")
 	for i := 1; i <= 3; i++ {
-		// The upstream closed the previous connection (on loopback its FIN
-		// has reached proxyd when close returns).
-		waitFor(t, 5*time.Second, func() bool { return su.closed.Load() >= int64(i-1) }, "upstream close")
+		// The upstream closed the previous connection, and its FIN reached
+		// the kept connection's socket.
+		waitFor(t, 5*time.Second, func() bool { return su.closed.Load() >= int64(i-1) && !tl.plain.hasSilentIdle() }, "upstream close seen")
 		var resp *http.Response
 		var err error
 		if i == 3 { // a request that cannot be sent twice must not meet the dead connection

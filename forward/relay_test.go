@@ -40,11 +40,18 @@ func TestLocalClientSocketOptions(t *testing.T) {
 	u := newHTTPUpstream(t, "", "", nil)
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(u.upstream(1)))
-	c, _, resp := rawConnect(t, tl.addr, echo, "")
+	c, br, resp := rawConnect(t, tl.addr, echo, "")
 	if resp.StatusCode != 200 {
 		t.Fatalf("CONNECT: %d", resp.StatusCode)
 	}
 	defer c.Close()
+	// A byte there and back: the relay runs, so the tunnel is set up.
+	if _, err := c.Write([]byte{1}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := br.ReadByte(); err != nil {
+		t.Fatal(err)
+	}
 	tl.mu.Lock()
 	var conns []*clientConn
 	for cc := range tl.conns {
