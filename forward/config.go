@@ -61,8 +61,9 @@ type Config struct {
 	// wait for the answer's head); default 15s.
 	RetryBudget time.Duration
 	// ResponseTimeout bounds the wait for the answer's head to a plain
-	// request with a body (an upstream that accepts and never answers);
-	// default 60s.
+	// request with a body, counted from when the body is sent (an upstream
+	// that accepts and never answers), and how long sending the body may
+	// make no progress; default 60s.
 	ResponseTimeout time.Duration
 
 	// Retries is how many more upstreams are tried after the first fails

@@ -536,3 +536,32 @@ func TestPlainNoUserAgentAdded(t *testing.T) {
 		t.Errorf("upstream got User-Agent %q", ua)
 	}
 }
+
+// An upstream that stops taking a body and never answers does not hold the
+// client: sending the body may make no progress for ResponseTimeout, then
+// the wait for the answer takes as long again.
+func TestPlainBodyStall(t *testing.T) {
+	checkLeaks(t)
+	release := make(chan struct{})
+	su := startScripted(t, func(int64, *http.Request, net.Conn) (string, bool) {
+		<-release // reads the head only, then nothing
+		return "", true
+	})
+	defer close(release)
+	p := newFakePool(su.upstream())
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed, ResponseTimeout: 300 * time.Millisecond}, p)
+	start := time.Now()
+	resp, err := tl.httpClient(t, "", "").Post("http://example.test/", "application/octet-stream", bytes.NewReader(make([]byte, 32<<20)))
+	if err == nil {
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusBadGateway {
+			t.Errorf("stalled upload: %d, want 502", resp.StatusCode)
+		}
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("stalled upload held the client %v", d)
+	}
+	if f := failures(p); len(f) != 1 || !f[0].res.UpstreamFault() {
+		t.Errorf("reports %v, want one upstream fault", f)
+	}
+}
