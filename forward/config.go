@@ -60,10 +60,10 @@ type Config struct {
 	// request (dials, handshakes and, for a plain request without body, the
 	// wait for the answer's head); default 15s.
 	RetryBudget time.Duration
-	// ResponseTimeout bounds the wait for the answer's head to a plain
-	// request with a body, counted from when the body is sent (an upstream
-	// that accepts and never answers), and how long sending the body may
-	// make no progress; default 60s.
+	// ResponseTimeout bounds how long a plain request with a body may wait
+	// on the upstream: for the answer's head, or to take the next piece of
+	// the body (time spent waiting for the client's body does not count);
+	// default 60s.
 	ResponseTimeout time.Duration
 
 	// Retries is how many more upstreams are tried after the first fails

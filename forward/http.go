@@ -80,7 +80,7 @@ func (l *Listener) initHTTP() {
 	})
 	l.proxy = p
 	l.transports = newTransportCache(l)
-	l.plain = newPlainConns(l.dialer, l.spawn, l.cfg.ResponseTimeout)
+	l.plain = newPlainConns(l.dialer, l.spawn)
 	l.srv = &http.Server{
 		Handler:           http.HandlerFunc(l.serveHTTP),
 		ReadHeaderTimeout: l.cfg.HeaderTimeout,

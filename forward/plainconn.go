@@ -61,17 +61,16 @@ func replayable(req *http.Request) bool {
 // plainConns keeps idle upstream connections for plain requests, per
 // upstream and credential and, through a SOCKS5 upstream, per destination.
 type plainConns struct {
-	d         *dialer
-	bodyStall time.Duration     // how long sending a body may make no progress
-	spawn     func(func()) bool // runs body writers; false once the listener is closed
-	mu        sync.Mutex
-	idle      map[string][]*plainConn // most recently used last
-	n         int
-	closed    bool
+	d      *dialer
+	spawn  func(func()) bool // runs body writers; false once the listener is closed
+	mu     sync.Mutex
+	idle   map[string][]*plainConn // most recently used last
+	n      int
+	closed bool
 }
 
-func newPlainConns(d *dialer, spawn func(func()) bool, bodyStall time.Duration) *plainConns {
-	return &plainConns{d: d, spawn: spawn, bodyStall: bodyStall, idle: make(map[string][]*plainConn)}
+func newPlainConns(d *dialer, spawn func(func()) bool) *plainConns {
+	return &plainConns{d: d, spawn: spawn, idle: make(map[string][]*plainConn)}
 }
 
 // plainConn is one upstream connection for plain requests.
@@ -82,20 +81,7 @@ type plainConn struct {
 	head  *headLimit
 	br    *bufio.Reader
 	bw    *bufio.Writer
-	timer *time.Timer  // closes the connection when idle too long
-	stall atomic.Int64 // > 0: a write that makes no progress this long fails
-}
-
-// stallWriter writes to pc's connection, under a deadline while a request
-// body is sent: an upstream that stops taking a body does not hold the
-// attempt for good.
-type stallWriter struct{ pc *plainConn }
-
-func (w stallWriter) Write(p []byte) (int, error) {
-	if d := time.Duration(w.pc.stall.Load()); d > 0 {
-		_ = w.pc.conn.SetWriteDeadline(time.Now().Add(d))
-	}
-	return w.pc.conn.Write(p)
+	timer *time.Timer // closes the connection when idle too long
 }
 
 // roundTrip sends req (whose header is ready for the upstream) and returns
@@ -144,7 +130,7 @@ func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, d
 	c = withRawIO(c)
 	pc := &plainConn{pcs: pcs, key: key, conn: c, head: &headLimit{r: c, n: -1}}
 	pc.br = bufio.NewReaderSize(pc.head, 4<<10)
-	pc.bw = bufio.NewWriterSize(stallWriter{pc}, 4<<10)
+	pc.bw = bufio.NewWriterSize(c, 4<<10)
 	return pc, nil
 }
 
@@ -242,7 +228,7 @@ func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm
 		if ctx.Err() != nil {
 			return nil, context.Cause(ctx)
 		}
-		if reused && pc.head.n == maxResponseHead && !isTimeout(err) {
+		if reused && pc.head.n == maxResponseHead && !isTimeout(err) && err != errListenerClosed {
 			err = &staleError{err} // nothing came back
 		}
 		return nil, err
@@ -270,13 +256,7 @@ func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm
 		body := &clientBody{ReadCloser: req.Body}
 		req.Body = body
 		if !pc.pcs.spawn(func() {
-			pc.stall.Store(int64(pc.pcs.bodyStall))
 			err := write()
-			pc.stall.Store(0)
-			_ = pc.conn.SetWriteDeadline(time.Time{})
-			// The wait for the answer starts now, also when the upstream
-			// stopped taking the body: its answer may still come.
-			bodySent(ctx)
 			if err != nil && body.failed.Load() {
 				// The upstream waits for the rest of a body that will not
 				// come: end the attempt. (When writing to the upstream

@@ -5,7 +5,6 @@ import (
 	"net"
 	"os"
 	"syscall"
-	"unsafe"
 )
 
 // Sockets are non-blocking, so a read or write system call never waits:
@@ -67,11 +66,10 @@ func (r *rawIO) Write(p []byte) (int, error) {
 	)
 	err := r.rc.Write(func(fd uintptr) bool {
 		for n < len(p) {
-			r1, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&p[n])), uintptr(len(p)-n))
+			w, e := rawWrite(fd, p[n:])
 			switch e {
 			case 0:
-				n += int(r1)
-			case syscall.EINTR:
+				n += w
 			case syscall.EAGAIN:
 				return false
 			default:
@@ -88,17 +86,6 @@ func (r *rawIO) Write(p []byte) (int, error) {
 		return n, r.opError("write", errno)
 	}
 	return n, nil
-}
-
-// rawRead reads fd once (again on EINTR) with a raw system call; p is not
-// empty.
-func rawRead(fd uintptr, p []byte) (int, syscall.Errno) {
-	for {
-		r1, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
-		if e != syscall.EINTR {
-			return int(r1), e
-		}
-	}
 }
 
 func (r *rawIO) opError(op string, errno syscall.Errno) error {

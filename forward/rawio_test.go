@@ -78,10 +78,13 @@ func TestRawConnReset(t *testing.T) {
 	defer c.Close()
 	_ = peer.(*net.TCPConn).SetLinger(0)
 	_ = peer.Close() // RST
+	// Writes are taken until the reset has been processed (at once on an
+	// idle machine, later when the kernel defers it).
 	var werr error
-	for range 100 { // the first write may still be taken before the reset is seen
-		if _, werr = c.Write([]byte("x")); werr != nil {
-			break
+	deadline := time.Now().Add(5 * time.Second)
+	for werr == nil && time.Now().Before(deadline) {
+		if _, werr = c.Write([]byte("x")); werr == nil {
+			time.Sleep(time.Millisecond)
 		}
 	}
 	var se *os.SyscallError

@@ -51,7 +51,7 @@ func (t *tunnel) grow(bp *[]byte) *[]byte {
 }
 
 // loopbackSendBuf caps the send buffer toward a client on this machine
-// (the kernel doubles it: 512 KiB). Autotuning grows it to 4 MiB, which a
+// (the kernel doubles it, to 512 KiB where net.core.wmem_max allows). Autotuning grows it to 4 MiB, which a
 // peer a few microseconds away never needs: the bytes only wait longer,
 // out of the CPU caches, and a slow local reader pins more memory. With
 // 16 bulk tunnels at once on 2 cores it moved proxied/direct throughput

@@ -27,41 +27,75 @@ type attemptInfo struct {
 	dialErr  *dialError
 	dialed   bool
 	dialTook time.Duration
-	head     *headTimer
 }
 
-// headTimer ends an attempt that waits too long for the answer's head. For
-// a request with a body it starts once the body is sent: a client uploading
-// slowly is not the upstream's delay.
-type headTimer struct {
+// upstreamClock ends an attempt when the upstream keeps proxyd waiting too
+// long: for the answer's head, or to take the next piece of a request body.
+// It does not run while proxyd waits for the client's body (pause/resume
+// around each read of it), so a slow upload is not the upstream's delay;
+// each resume gives the upstream the whole time again.
+type upstreamClock struct {
 	mu      sync.Mutex
 	d       time.Duration
-	f       func()
+	expire  func()
 	t       *time.Timer
+	paused  bool
 	stopped bool
+	fired   bool
 }
 
-func (h *headTimer) start() {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if !h.stopped && h.t == nil {
-		h.t = time.AfterFunc(h.d, h.f)
+func newUpstreamClock(d time.Duration, expire func()) *upstreamClock {
+	c := &upstreamClock{d: d, expire: expire}
+	c.t = time.AfterFunc(d, c.fire)
+	return c
+}
+
+func (c *upstreamClock) fire() {
+	c.mu.Lock()
+	if c.paused || c.stopped {
+		c.mu.Unlock()
+		return
+	}
+	c.fired = true
+	c.mu.Unlock()
+	c.expire()
+}
+
+func (c *upstreamClock) pause() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.paused = true
+	c.t.Stop()
+}
+
+func (c *upstreamClock) resume() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.paused && !c.stopped && !c.fired {
+		c.paused = false
+		c.t.Reset(c.d)
 	}
 }
 
-// stop reports whether the wait had not ended.
-func (h *headTimer) stop() bool {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.stopped = true
-	return h.t == nil || h.t.Stop()
+// stop reports whether the clock had not run out.
+func (c *upstreamClock) stop() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.stopped = true
+	c.t.Stop()
+	return !c.fired
 }
 
-// bodySent starts the head wait of the attempt in ctx.
-func bodySent(ctx context.Context) {
-	if info, _ := ctx.Value(attemptKey).(*attemptInfo); info != nil && info.head != nil {
-		info.head.start()
-	}
+// clockedBody is a request body whose reads pause the attempt's clock.
+type clockedBody struct {
+	io.ReadCloser
+	clock *upstreamClock
+}
+
+func (b *clockedBody) Read(p []byte) (int, error) {
+	b.clock.pause()
+	defer b.clock.resume()
+	return b.ReadCloser.Read(p)
 }
 
 func recordDial(ctx context.Context, derr *dialError, took time.Duration) {
@@ -190,6 +224,16 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 		}
 	}
 	return tr
+}
+
+// idempotent reports whether sending a request twice has the effect of
+// sending it once (RFC 9110 §9.2.2).
+func idempotent(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace, http.MethodPut, http.MethodDelete:
+		return true
+	}
+	return false
 }
 
 // replayBody lets a request body be handed to another attempt as long as the
@@ -325,10 +369,10 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		}
 		info := &attemptInfo{}
 		actx, cancelAttempt := context.WithCancelCause(context.WithValue(ctx, attemptKey, info))
-		info.head = &headTimer{d: headWait, f: func() { cancelAttempt(errHeadTimeout) }}
+		clock := newUpstreamClock(headWait, func() { cancelAttempt(errHeadTimeout) })
 		out := req.WithContext(actx)
 		if body != nil {
-			out.Body = body
+			out.Body = &clockedBody{ReadCloser: body, clock: clock}
 		}
 		out.Header = req.Header.Clone()
 		// The client's "Connection: close" (or HTTP/1.0 without keep-alive)
@@ -350,18 +394,12 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		// the upstream asks for it. A request with a body on Transport has
 		// Transport's own wait for the head, which starts after the body.
 		if out.URL.Scheme == "http" && out.Header.Get("Expect") == "" {
-			if rb == nil {
-				info.head.start()
-			}
 			resp, err = l.plain.roundTrip(actx, up, out)
 		} else {
-			if rb == nil {
-				info.head.start()
-			}
 			resp, err = l.transports.get(up).RoundTrip(out)
 		}
 		took := time.Since(t0)
-		if !info.head.stop() && err == nil {
+		if !clock.stop() && err == nil {
 			_ = resp.Body.Close() // the head came just as the wait ended
 			resp, err = nil, errHeadTimeout
 		}
@@ -418,8 +456,11 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		l.pool.Report(up, res, took)
 		l.pool.Release(up)
 		outcome = OutcomeUpstreamError
+		if stale && idempotent(req.Method) {
+			continue // again, if the body can still be sent
+		}
 		if stale {
-			continue // again if the body can still be sent
+			break // the upstream may have acted on it: not sent twice
 		}
 		if res == pool.Canceled {
 			outcome = OutcomeClientError
