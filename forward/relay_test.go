@@ -37,7 +37,7 @@ func TestRelayLargeBufferRation(t *testing.T) {
 
 // Clients on this machine get no TCP keep-alive (Listen leaves it off and
 // Serve turns it on only for other machines), and a tunnel's client the
-// fixed send buffer.
+// fixed send buffer; upstream connections get keep-alive.
 func TestLocalClientSocketOptions(t *testing.T) {
 	checkLeaks(t)
 	u := newHTTPUpstream(t, "", "", nil)
@@ -85,5 +85,28 @@ func TestLocalClientSocketOptions(t *testing.T) {
 	}
 	if sndbuf != want {
 		t.Errorf("SO_SNDBUF %d, want %d", sndbuf, want)
+	}
+
+	// The upstream connection: keep-alive after 30 s of silence.
+	tl.mu.Lock()
+	var ups []net.Conn
+	for uc := range tl.upconns {
+		ups = append(ups, uc)
+	}
+	tl.mu.Unlock()
+	if len(ups) != 1 {
+		t.Fatalf("%d upstream connections", len(ups))
+	}
+	urc, err := ups[0].(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var upKeepAlive, idle int
+	_ = urc.Control(func(fd uintptr) {
+		upKeepAlive, _ = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_KEEPALIVE)
+		idle, _ = syscall.GetsockoptInt(int(fd), syscall.IPPROTO_TCP, syscall.TCP_KEEPIDLE)
+	})
+	if upKeepAlive != 1 || idle != 30 {
+		t.Errorf("upstream connection: SO_KEEPALIVE %d, TCP_KEEPIDLE %d; want 1, 30", upKeepAlive, idle)
 	}
 }
