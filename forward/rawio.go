@@ -1,6 +1,7 @@
 package forward
 
 import (
+	"errors"
 	"io"
 	"net"
 	"os"
@@ -50,7 +51,7 @@ func (r *rawIO) Read(p []byte) (int, error) {
 	})
 	switch {
 	case err != nil:
-		return 0, err
+		return 0, asNetOp(err, "read")
 	case errno != 0:
 		return 0, r.opError("read", errno)
 	case n == 0:
@@ -81,11 +82,22 @@ func (r *rawIO) Write(p []byte) (int, error) {
 	})
 	switch {
 	case err != nil:
-		return n, err
+		return n, asNetOp(err, "write")
 	case errno != 0:
 		return n, r.opError("write", errno)
 	}
 	return n, nil
+}
+
+// asNetOp names a RawConn error ("raw-read": deadline, closed) as the
+// net.Conn operation it stands for: net/http, for one, tells a client gone
+// from a broken request by Op "read".
+func asNetOp(err error, op string) error {
+	var oe *net.OpError
+	if errors.As(err, &oe) {
+		oe.Op = op
+	}
+	return err
 }
 
 func (r *rawIO) opError(op string, errno syscall.Errno) error {

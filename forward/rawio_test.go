@@ -63,7 +63,9 @@ func TestRawConn(t *testing.T) {
 		t.Errorf("Read after the peer closed: %d %v", n, err)
 	}
 	_ = c.Close()
-	if _, err := c.Read(buf); !errors.Is(err, net.ErrClosed) {
+	_, err = c.Read(buf)
+	var oe *net.OpError
+	if !errors.Is(err, net.ErrClosed) || !errors.As(err, &oe) || oe.Op != "read" {
 		t.Errorf("Read after Close: %v", err)
 	}
 	if _, err := c.Write(buf); !errors.Is(err, net.ErrClosed) {
