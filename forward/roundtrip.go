@@ -359,10 +359,11 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		if err != nil || up == nil {
 			break
 		}
-		// Wait for the answer's head up to ResponseTimeout, but for a request
-		// without body (which another upstream could take) only as long as
-		// the retry budget lasts: an upstream that accepts and never answers
-		// must not hold the client past the bounded time.
+		// Wait on the upstream up to ResponseTimeout at a time (see
+		// upstreamClock), but for a request without body (which another
+		// upstream could take) only as long as the retry budget lasts: an
+		// upstream that accepts and never answers must not hold the client
+		// past the bounded time.
 		headWait := l.cfg.ResponseTimeout
 		if rb == nil {
 			headWait = min(headWait, max(l.cfg.RetryBudget-time.Since(start), time.Millisecond))
@@ -391,8 +392,7 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		var resp *http.Response
 		// Our own connections, but for TLS to the destination and for
 		// "Expect: 100-continue", where Transport holds the body back until
-		// the upstream asks for it. A request with a body on Transport has
-		// Transport's own wait for the head, which starts after the body.
+		// the upstream asks for it. The attempt's clock covers both.
 		if out.URL.Scheme == "http" && out.Header.Get("Expect") == "" {
 			resp, err = l.plain.roundTrip(actx, up, out)
 		} else {
