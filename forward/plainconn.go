@@ -67,10 +67,16 @@ type plainConns struct {
 	idle   map[string][]*plainConn // most recently used last
 	n      int
 	closed bool
+	// Idle connections kept, per key and in all, and for how long.
+	maxIdlePerKey, maxIdle int
+	idleTimeout            time.Duration
 }
 
 func newPlainConns(d *dialer, spawn func(func()) bool) *plainConns {
-	return &plainConns{d: d, spawn: spawn, idle: make(map[string][]*plainConn)}
+	return &plainConns{
+		d: d, spawn: spawn, idle: make(map[string][]*plainConn),
+		maxIdlePerKey: plainIdlePerKey, maxIdle: plainIdleTotal, idleTimeout: plainIdleTimeout,
+	}
 }
 
 // plainConn is one upstream connection for plain requests.
@@ -171,20 +177,20 @@ func (pcs *plainConns) put(pc *plainConn) {
 	}
 	pcs.mu.Lock()
 	defer pcs.mu.Unlock()
-	if pcs.closed || pcs.n >= plainIdleTotal || len(pcs.idle[pc.key]) >= plainIdlePerKey {
+	if pcs.closed || pcs.n >= pcs.maxIdle || len(pcs.idle[pc.key]) >= pcs.maxIdlePerKey {
 		_ = pc.conn.Close()
 		return
 	}
 	pcs.idle[pc.key] = append(pcs.idle[pc.key], pc)
 	pcs.n++
 	if pc.timer == nil {
-		pc.timer = time.AfterFunc(plainIdleTimeout, func() { pcs.expire(pc) })
+		pc.timer = time.AfterFunc(pcs.idleTimeout, func() { pcs.expire(pc) })
 	} else {
-		pc.timer.Reset(plainIdleTimeout)
+		pc.timer.Reset(pcs.idleTimeout)
 	}
 }
 
-// expire closes pc after it was idle for plainIdleTimeout.
+// expire closes pc after it was idle for idleTimeout.
 func (pcs *plainConns) expire(pc *plainConn) {
 	pcs.mu.Lock()
 	list := pcs.idle[pc.key]

@@ -597,3 +597,62 @@ func TestPlainStaleNotSentTwice(t *testing.T) {
 	}
 	p.waitBalanced(t)
 }
+
+// Idle upstream connections are kept up to a number per upstream and in
+// all, and closed after the idle timeout.
+func TestPlainIdleLimits(t *testing.T) {
+	checkLeaks(t)
+	// Six requests at once over two upstreams: six connections, three to
+	// each; two kept per upstream would be four, three in all are kept.
+	const n = 6
+	release := make(chan struct{})
+	var started sync.WaitGroup
+	started.Add(n)
+	var seen atomic.Int64
+	answer := func(int64, *http.Request, net.Conn) (string, bool) {
+		if seen.Add(1) <= n { // the first n wait until all n are in
+			started.Done()
+			<-release
+		}
+		return okAnswer("slow"), false
+	}
+	a, b := startScripted(t, answer), startScripted(t, answer)
+	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed},
+		newFakePool(a.upstream(), &pool.Upstream{Service: 2, Protocol: pool.HTTP, Address: b.addr}))
+	pcs := tl.plain
+	pcs.mu.Lock()
+	pcs.maxIdlePerKey, pcs.maxIdle, pcs.idleTimeout = 2, 3, time.Hour
+	pcs.mu.Unlock()
+	idle := func() int { pcs.mu.Lock(); defer pcs.mu.Unlock(); return pcs.n }
+	errs := make(chan error, n)
+	for range n {
+		go func() {
+			resp, err := tl.httpClient(t, "", "").Get("http://example.test/")
+			if err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				err = resp.Body.Close()
+			}
+			errs <- err
+		}()
+	}
+	started.Wait()
+	close(release)
+	for range n {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, 5*time.Second, func() bool { return a.closed.Load()+b.closed.Load() == n-3 }, "all but three closed")
+	if got := idle(); got != 3 {
+		t.Errorf("idle connections %d, want 3", got)
+	}
+
+	// Kept connections are closed after the idle timeout.
+	pcs.mu.Lock()
+	pcs.idleTimeout = 100 * time.Millisecond
+	pcs.mu.Unlock()
+	if code, _ := getBody(t, tl.httpClient(t, "", ""), "http://example.test/"); code != 200 {
+		t.Fatal(code)
+	}
+	waitFor(t, 5*time.Second, func() bool { return a.closed.Load()+b.closed.Load() == n-2 }, "the connection used again closed after the idle timeout")
+}
