@@ -347,8 +347,10 @@ func (a *acceptor) Accept() (net.Conn, error) {
 			l.rejectOverCap(c)
 			continue
 		}
-		keepAliveRemote(c)
-		cc := &clientConn{Conn: c, l: l, rw: c}
+		cc := &clientConn{Conn: c, l: l, rw: c, local: loopbackPeer(c)}
+		if !cc.local {
+			keepAlive(c)
+		}
 		if r := newRawIO(c); r != nil {
 			cc.rw = r
 		}
@@ -375,14 +377,16 @@ func Listen(ctx context.Context, address string) (net.Listener, error) {
 	return lc.Listen(ctx, "tcp", address)
 }
 
-// keepAliveRemote turns TCP keep-alive on for a client on another machine,
-// with Go's default timings (15 s idle and interval, 9 probes).
-func keepAliveRemote(c net.Conn) {
-	tc, ok := c.(*net.TCPConn)
-	if !ok {
-		return
-	}
-	if ra, ok := tc.RemoteAddr().(*net.TCPAddr); ok && !ra.IP.IsLoopback() {
+// loopbackPeer reports whether c's other end is on this machine.
+func loopbackPeer(c net.Conn) bool {
+	ra, ok := c.RemoteAddr().(*net.TCPAddr)
+	return ok && ra.IP.IsLoopback()
+}
+
+// keepAlive turns TCP keep-alive on for a client on another machine, with
+// Go's default timings (15 s idle and interval, 9 probes).
+func keepAlive(c net.Conn) {
+	if tc, ok := c.(*net.TCPConn); ok {
 		_ = tc.SetKeepAliveConfig(net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 9})
 	}
 }
@@ -439,6 +443,7 @@ type clientConn struct {
 	fresh    atomic.Bool  // HTTP: accepted, no request byte read yet
 	closeErr error
 	rw       io.ReadWriter // Conn, or its socket's rawIO
+	local    bool          // the client is on this machine
 }
 
 func (c *clientConn) Read(p []byte) (int, error) {

@@ -46,16 +46,9 @@ var (
 )
 
 // replayable reports whether a request may be sent again after a kept
-// connection turned out closed: no body, and a method that may be repeated.
+// connection turned out closed: no body, and an idempotent method.
 func replayable(req *http.Request) bool {
-	if req.Body != nil && req.Body != http.NoBody {
-		return false
-	}
-	switch req.Method {
-	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
-		return true
-	}
-	return false
+	return (req.Body == nil || req.Body == http.NoBody) && idempotent(req.Method)
 }
 
 // plainConns keeps idle upstream connections for plain requests, per
@@ -392,9 +385,15 @@ type headLimit struct {
 
 func (h *headLimit) Read(p []byte) (int, error) {
 	if h.n < 0 {
-		if h.idle != nil && peerSilent(h.r) {
-			h.idle()
+		if h.idle == nil {
+			return h.r.Read(p)
 		}
+		if rc, ok := h.r.(*rawConn); ok {
+			if n, empty, err := rc.io.tryRead(p); !empty {
+				return n, err
+			}
+		}
+		h.idle()
 		return h.r.Read(p)
 	}
 	if h.n == 0 {

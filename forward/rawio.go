@@ -38,8 +38,19 @@ func newRawIO(c net.Conn) *rawIO {
 }
 
 func (r *rawIO) Read(p []byte) (int, error) {
+	n, _, err := r.read(p, true)
+	return n, err
+}
+
+// tryRead is Read without the wait: empty reports that nothing was there to
+// read yet.
+func (r *rawIO) tryRead(p []byte) (n int, empty bool, err error) {
+	return r.read(p, false)
+}
+
+func (r *rawIO) read(p []byte, wait bool) (int, bool, error) {
 	if len(p) == 0 {
-		return 0, nil
+		return 0, false, nil
 	}
 	var (
 		n     int
@@ -47,17 +58,19 @@ func (r *rawIO) Read(p []byte) (int, error) {
 	)
 	err := r.rc.Read(func(fd uintptr) bool {
 		n, errno = rawRead(fd, p)
-		return errno != syscall.EAGAIN
+		return errno != syscall.EAGAIN || !wait
 	})
 	switch {
 	case err != nil:
-		return 0, asNetOp(err, "read")
+		return 0, false, asNetOp(err, "read")
+	case errno == syscall.EAGAIN:
+		return 0, true, nil
 	case errno != 0:
-		return 0, r.opError("read", errno)
+		return 0, false, r.opError("read", errno)
 	case n == 0:
-		return 0, io.EOF
+		return 0, false, io.EOF
 	}
-	return n, nil
+	return n, false, nil
 }
 
 func (r *rawIO) Write(p []byte) (int, error) {

@@ -59,17 +59,6 @@ func (t *tunnel) grow(bp *[]byte) *[]byte {
 // autotuning, which their round-trip times need.
 const loopbackSendBuf = 256 << 10
 
-// tuneClientConn sizes the client connection's send buffer for a tunnel.
-func tuneClientConn(c net.Conn) {
-	tc, ok := c.(*net.TCPConn)
-	if !ok {
-		return
-	}
-	if ra, ok := tc.RemoteAddr().(*net.TCPAddr); ok && ra.IP.IsLoopback() {
-		_ = tc.SetWriteBuffer(loopbackSendBuf)
-	}
-}
-
 // tunnel relays bytes between a client and an upstream connection.
 type tunnel struct {
 	large     *atomic.Int64 // the listener's large buffers in use
@@ -86,7 +75,9 @@ type tunnel struct {
 // tunnel is idle for IdleTimeout. The last pump to end closes both conns,
 // adds the bytes to cc and calls done.
 func (l *Listener) relay(cc *clientConn, upstream net.Conn, done func()) {
-	tuneClientConn(cc.Conn)
+	if tc, ok := cc.Conn.(*net.TCPConn); ok && cc.local {
+		_ = tc.SetWriteBuffer(loopbackSendBuf)
+	}
 	t := &tunnel{idle: l.cfg.IdleTimeout, a: cc.Conn, b: upstream, large: &l.largeBufs}
 	t.lastSeen.Store(time.Now().UnixNano())
 	t.remaining.Store(2)

@@ -86,18 +86,6 @@ func (c *upstreamClock) stop() bool {
 	return !c.fired
 }
 
-// clockedBody is a request body whose reads pause the attempt's clock.
-type clockedBody struct {
-	io.ReadCloser
-	clock *upstreamClock
-}
-
-func (b *clockedBody) Read(p []byte) (int, error) {
-	b.clock.pause()
-	defer b.clock.resume()
-	return b.ReadCloser.Read(p)
-}
-
 func recordDial(ctx context.Context, derr *dialError, took time.Duration) {
 	info, _ := ctx.Value(attemptKey).(*attemptInfo)
 	if info == nil {
@@ -246,9 +234,12 @@ type replayBody struct {
 	cur      *bodyAttempt
 }
 
+// bodyAttempt is one attempt's view of the client's body. Its reads pause
+// the attempt's clock: waiting for the client is not the upstream's delay.
 type bodyAttempt struct {
-	rb   *replayBody
-	dead atomic.Bool
+	rb    *replayBody
+	clock *upstreamClock
+	dead  atomic.Bool
 }
 
 var (
@@ -263,7 +254,9 @@ func (a *bodyAttempt) Read(p []byte) (int, error) {
 	if a.dead.Load() {
 		return 0, errAttemptOver
 	}
+	a.clock.pause()
 	n, err := rb.rc.Read(p)
+	a.clock.resume()
 	rb.read.Add(int64(n))
 	if err != nil && err != io.EOF {
 		rb.bad.Store(true)
@@ -275,9 +268,10 @@ func (a *bodyAttempt) Read(p []byte) (int, error) {
 // still need it.
 func (a *bodyAttempt) Close() error { return nil }
 
-// next ends the current attempt's view of the body and returns a fresh one,
-// or nil when bytes were already consumed (the request cannot be replayed).
-func (rb *replayBody) next() io.ReadCloser {
+// next ends the current attempt's view of the body and returns a fresh one
+// (whose clock the caller sets before use), or nil when bytes were already
+// consumed (the request cannot be replayed).
+func (rb *replayBody) next() *bodyAttempt {
 	if rb.cur != nil {
 		rb.cur.dead.Store(true)
 		if rb.inflight.Load() > 0 || rb.read.Load() > 0 {
@@ -349,7 +343,7 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		if attempt > 0 && time.Since(start) >= l.cfg.RetryBudget {
 			break
 		}
-		var body io.ReadCloser
+		var body *bodyAttempt
 		if rb != nil {
 			if body = rb.next(); body == nil {
 				break // part of the body went to the failed attempt
@@ -373,7 +367,8 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		clock := newUpstreamClock(headWait, func() { cancelAttempt(errHeadTimeout) })
 		out := req.WithContext(actx)
 		if body != nil {
-			out.Body = &clockedBody{ReadCloser: body, clock: clock}
+			body.clock = clock
+			out.Body = body
 		}
 		out.Header = req.Header.Clone()
 		// The client's "Connection: close" (or HTTP/1.0 without keep-alive)
