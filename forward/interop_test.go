@@ -24,11 +24,18 @@ import (
 func requireTool(t *testing.T, path string) {
 	t.Helper()
 	if _, err := os.Stat(path); err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("%s missing under CI=true: %v", path, err)
-		}
-		t.Skipf("%s not installed", path)
+		skipOrFail(t, "%s not installed: %v", path, err)
 	}
+}
+
+// skipOrFail skips a test this machine cannot run, except under CI=true,
+// where the test must run: there it fails.
+func skipOrFail(t *testing.T, format string, args ...any) {
+	t.Helper()
+	if os.Getenv("CI") == "true" {
+		t.Fatalf("under CI=true: "+format, args...)
+	}
+	t.Skipf(format, args...)
 }
 
 func freePort(t *testing.T) int {

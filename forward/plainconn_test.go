@@ -78,15 +78,25 @@ func okAnswer(body string) string {
 	return fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 }
 
-func getBody(t *testing.T, c *http.Client, url string) (int, string) {
+// send makes a request through c and returns the answer's status and body.
+func send(t *testing.T, c *http.Client, method, url string, body io.Reader) (int, string) {
 	t.Helper()
-	resp, err := c.Get(url)
+	req, err := http.NewRequest(method, url, body)
 	if err != nil {
-		t.Fatalf("GET %s: %v", url, err)
+		t.Fatal(err)
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, url, err)
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(b)
+}
+
+func getBody(t *testing.T, c *http.Client, url string) (int, string) {
+	t.Helper()
+	return send(t, c, http.MethodGet, url, nil)
 }
 
 func failures(p *fakePool) []report {
@@ -115,20 +125,12 @@ func TestPlainStaleConnectionReplaced(t *testing.T) {
 		// The upstream closed the previous connection, and its FIN reached
 		// the kept connection's socket.
 		waitFor(t, 5*time.Second, func() bool { return su.closed.Load() >= int64(i-1) && !tl.plain.hasSilentIdle() }, "upstream close seen")
-		var resp *http.Response
-		var err error
+		method, body := http.MethodGet, io.Reader(nil)
 		if i == 3 { // a request that cannot be sent twice must not meet the dead connection
-			resp, err = c.Post("http://example.test/", "text/plain", strings.NewReader("body"))
-		} else {
-			resp, err = c.Get("http://example.test/")
+			method, body = http.MethodPost, strings.NewReader("body")
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, _ := io.ReadAll(resp.Body)
-		_ = resp.Body.Close()
-		if resp.StatusCode != 200 || string(b) != fmt.Sprint("answer-", i) {
-			t.Fatalf("request %d: %d %q", i, resp.StatusCode, b)
+		if code, b := send(t, c, method, "http://example.test/", body); code != 200 || b != fmt.Sprint("answer-", i) {
+			t.Fatalf("request %d: %d %q", i, code, b)
 		}
 	}
 	if f := failures(p); len(f) != 0 {
@@ -208,14 +210,8 @@ func TestPlainStaleConnectionPOST(t *testing.T) {
 	if code, _ := getBody(t, c, "http://example.test/"); code != 200 {
 		t.Fatal(code)
 	}
-	resp, err := c.Post("http://example.test/", "text/plain", strings.NewReader("once"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	_ = resp.Body.Close()
-	if resp.StatusCode != http.StatusBadGateway {
-		t.Errorf("POST whose upstream died after taking the body: %d, want 502", resp.StatusCode)
+	if code, _ := send(t, c, http.MethodPost, "http://example.test/", strings.NewReader("once")); code != http.StatusBadGateway {
+		t.Errorf("POST whose upstream died after taking the body: %d, want 502", code)
 	}
 	if n := posts.Load(); n != 1 {
 		t.Errorf("upstream saw the POST %d times, want 1", n)
@@ -312,15 +308,10 @@ func TestPlainEarlyAnswer(t *testing.T) {
 		_ = pw.Close()
 	}()
 	start := time.Now()
-	resp, err := c.Post("http://example.test/upload", "application/octet-stream", pr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	_ = resp.Body.Close()
+	code, b := send(t, c, http.MethodPost, "http://example.test/upload", pr)
 	_ = pr.Close()
-	if resp.StatusCode != 413 || string(b) != "big" {
-		t.Errorf("early answer: %d %q", resp.StatusCode, b)
+	if code != 413 || b != "big" {
+		t.Errorf("early answer: %d %q", code, b)
 	}
 	if d := time.Since(start); d > 3*time.Second {
 		t.Errorf("early answer took %v", d)
@@ -432,14 +423,8 @@ func TestPlainEarlyAnswerThenClose(t *testing.T) {
 	c := tl.httpClient(t, "", "")
 	body := make([]byte, 4<<20)
 	for i := range 10 {
-		resp, err := c.Post("http://example.test/upload", "application/octet-stream", bytes.NewReader(body))
-		if err != nil {
-			t.Fatalf("upload %d: %v", i, err)
-		}
-		b, _ := io.ReadAll(resp.Body)
-		_ = resp.Body.Close()
-		if resp.StatusCode != 413 || string(b) != "big" {
-			t.Errorf("upload %d: %d %q", i, resp.StatusCode, b)
+		if code, b := send(t, c, http.MethodPost, "http://example.test/upload", bytes.NewReader(body)); code != 413 || b != "big" {
+			t.Errorf("upload %d: %d %q", i, code, b)
 		}
 	}
 	if f := failures(p); len(f) != 0 {
@@ -584,16 +569,12 @@ func TestPlainStaleNotSentTwice(t *testing.T) {
 	if code, _ := getBody(t, c, "http://example.test/"); code != 200 {
 		t.Fatal(code)
 	}
-	resp, err := c.Post("http://example.test/charge", "text/plain", http.NoBody)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = resp.Body.Close()
+	code, _ := send(t, c, http.MethodPost, "http://example.test/charge", http.NoBody)
 	if n := posts.Load(); n != 1 {
 		t.Errorf("POST sent %d times, want 1", n)
 	}
-	if resp.StatusCode != http.StatusBadGateway {
-		t.Errorf("status %d, want 502", resp.StatusCode)
+	if code != http.StatusBadGateway {
+		t.Errorf("status %d, want 502", code)
 	}
 	p.waitBalanced(t)
 }
