@@ -3,6 +3,7 @@ package metrics
 import (
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,12 +16,7 @@ import (
 // TestContract checks every metric of DESIGN.md §6: its name, type and label
 // names, and the label values it may take.
 func TestContract(t *testing.T) {
-	reg, m := newTestMetrics(t)
-	scriptedRun(m)
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, families := scriptedFamilies(t)
 	got := make(map[string]*dto.MetricFamily)
 	for _, f := range families {
 		got[f.GetName()] = f
@@ -91,13 +87,18 @@ func TestContract(t *testing.T) {
 	}
 }
 
-// TestConcurrentUse scrapes while every kind of event and update happens.
+// TestConcurrentUse scrapes while every kind of event and update happens:
+// it keeps gathering until each worker has gone round many times, so the
+// scrapes really overlap the updates.
 func TestConcurrentUse(t *testing.T) {
 	reg, m := newTestMetrics(t)
 	scriptedRun(m)
 	var wg sync.WaitGroup
 	stop := make(chan struct{})
+	var rounds []*atomic.Int64
 	worker := func(f func(i int)) {
+		n := new(atomic.Int64)
+		rounds = append(rounds, n)
 		wg.Go(func() {
 			for i := 0; ; i++ {
 				select {
@@ -105,9 +106,18 @@ func TestConcurrentUse(t *testing.T) {
 					return
 				default:
 					f(i)
+					n.Add(1)
 				}
 			}
 		})
+	}
+	busy := func() bool {
+		for _, n := range rounds {
+			if n.Load() < 100 {
+				return true
+			}
+		}
+		return false
 	}
 	l := m.Listener("http")
 	worker(func(int) {
@@ -126,7 +136,7 @@ func TestConcurrentUse(t *testing.T) {
 		m.SetServices([]int{101, 202 + i%2})
 		m.AddListener("socks")
 	})
-	for range 5 {
+	for gathers := 0; gathers < 5 || busy(); gathers++ {
 		if _, err := reg.Gather(); err != nil {
 			t.Error(err)
 			break

@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -69,15 +70,11 @@ func (l *listenerObserver) Closed(o forward.Outcome, up, down int64, retries int
 
 // Dialed records a successful dial; an unknown protocol is ignored.
 func (l *listenerObserver) Dialed(p pool.Protocol, took time.Duration) {
-	var h *dialHistogram
-	switch p {
-	case pool.HTTP:
-		h = &l.dial[0]
-	case pool.SOCKS5:
-		h = &l.dial[1]
-	default:
+	k := slices.Index(dialProtocols[:], p)
+	if k < 0 {
 		return
 	}
+	h := &l.dial[k]
 	took = max(took, 0)
 	i := 0
 	for i < len(dialBounds) && took > dialBounds[i] {

@@ -14,7 +14,8 @@
 // Left out: labels that identify an upstream, a client, a destination or a
 // user. Per-upstream detail belongs to the admin /pool endpoint. The package
 // never imports forward's or pool's implementations, only their contract
-// types, and it does not serve HTTP itself: Handler is mounted by main.
+// types (and agent's route templates), and it does not serve HTTP itself:
+// Handler is mounted by main.
 package metrics
 
 import (
@@ -97,8 +98,7 @@ type ServiceInfo struct {
 type Metrics struct {
 	now      func() time.Time
 	gatherer prometheus.Gatherer
-	routes   map[string]bool // APIRoutes
-	reasons  map[string]bool // pool.FailureReasons
+	reasons  []string // pool.FailureReasons(), which builds its slice on each call
 
 	failures    *prometheus.CounterVec
 	ejections   *prometheus.CounterVec
@@ -145,19 +145,12 @@ func New(reg prometheus.Registerer, o Options) (*Metrics, error) {
 	m := &Metrics{
 		now:       o.Now,
 		gatherer:  g,
-		routes:    make(map[string]bool),
-		reasons:   make(map[string]bool),
+		reasons:   pool.FailureReasons(),
 		listeners: make(map[string]*listenerObserver),
 		services:  make(map[int]bool),
 	}
 	if m.now == nil {
 		m.now = time.Now
-	}
-	for _, r := range APIRoutes() {
-		m.routes[r] = true
-	}
-	for _, r := range pool.FailureReasons() {
-		m.reasons[r] = true
 	}
 
 	m.failures = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -278,7 +271,7 @@ func (m *Metrics) SetServices(ids []int) {
 			continue
 		}
 		s := strconv.Itoa(id)
-		for _, r := range pool.FailureReasons() {
+		for _, r := range m.reasons {
 			m.failures.WithLabelValues(s, r)
 		}
 		for _, r := range RotationResults() {
@@ -300,7 +293,7 @@ func (m *Metrics) SetServices(ids []int) {
 // classes of pool.FailureReasons() are counted: the other results
 // (ok, destination_error, canceled) say nothing about the upstream.
 func (m *Metrics) UpstreamFailure(service int, reason string) {
-	if !m.reasons[reason] {
+	if !slices.Contains(m.reasons, reason) {
 		return
 	}
 	m.failures.WithLabelValues(strconv.Itoa(service), reason).Inc()
@@ -314,9 +307,7 @@ func (m *Metrics) Ejection(service int) {
 // Rotation counts a sticky rotation of a session of service; result is one
 // of RotationResults(), anything else counts as "error".
 func (m *Metrics) Rotation(service int, result string) {
-	switch result {
-	case "ok", "error", "rate_limited":
-	default:
+	if !slices.Contains(RotationResults(), result) {
 		result = "error"
 	}
 	m.rotations.WithLabelValues(strconv.Itoa(service), result).Inc()
@@ -327,7 +318,7 @@ func (m *Metrics) Rotation(service int, result string) {
 // the HTTP status or "error" when no answer came. Its signature is that of
 // the agent's observe hook.
 func (m *Metrics) APIRequest(route, code string, took time.Duration) {
-	r := normalizeRoute(m.routes, route)
+	r := normalizeRoute(route)
 	m.apiRequests.WithLabelValues(r, normalizeCode(code)).Inc()
 	m.apiSeconds.WithLabelValues(r).Observe(took.Seconds())
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/proxyd/proxyd/forward"
 	"github.com/proxyd/proxyd/pool"
@@ -42,6 +43,51 @@ func newTestMetrics(t testing.TB) (*prometheus.Registry, *Metrics) {
 		t.Fatalf("New: %v", err)
 	}
 	return reg, m
+}
+
+// scriptedFamilies gathers a fresh Metrics after scriptedRun.
+func scriptedFamilies(t *testing.T) (*Metrics, []*dto.MetricFamily) {
+	t.Helper()
+	reg, m := newTestMetrics(t)
+	scriptedRun(m)
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m, families
+}
+
+// countSeries is testutil.GatherAndCount failing the test when gathering
+// fails, so that an error cannot pass for "no series".
+func countSeries(t *testing.T, g prometheus.Gatherer, names ...string) int {
+	t.Helper()
+	n, err := testutil.GatherAndCount(g, names...)
+	if err != nil {
+		t.Fatalf("counting %q: %v", names, err)
+	}
+	return n
+}
+
+// sumSeries adds up the values of every series of a family; for a histogram,
+// its sample counts.
+func sumSeries(t *testing.T, g prometheus.Gatherer, name string) float64 {
+	t.Helper()
+	families, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		var sum float64
+		for _, mt := range f.GetMetric() {
+			sum += mt.GetCounter().GetValue() + mt.GetGauge().GetValue() + float64(mt.GetHistogram().GetSampleCount())
+		}
+		return sum
+	}
+	t.Fatalf("%s is not exported", name)
+	return 0
 }
 
 // Secrets and identities the scripted run hands to the package in places
@@ -219,16 +265,14 @@ func lineDiff(want, got string) string {
 	return b.String()
 }
 
-// promtoolPath finds promtool; without it the test skips, or fails under CI.
+// promtoolPath finds promtool (on PATH, or where Debian's prometheus package
+// puts it); without it the test skips, or fails under CI.
 func promtoolPath(t *testing.T) string {
 	t.Helper()
-	for _, p := range []string{"/usr/bin/promtool"} {
-		if _, err := os.Stat(p); err == nil {
+	for _, name := range []string{"promtool", "/usr/bin/promtool"} {
+		if p, err := exec.LookPath(name); err == nil {
 			return p
 		}
-	}
-	if p, err := exec.LookPath("promtool"); err == nil {
-		return p
 	}
 	if os.Getenv("CI") == "true" {
 		t.Fatal("promtool not found (apt-get install prometheus)")
@@ -238,12 +282,7 @@ func promtoolPath(t *testing.T) string {
 }
 
 func TestCardinality(t *testing.T) {
-	reg, m := newTestMetrics(t)
-	scriptedRun(m)
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
+	m, families := scriptedFamilies(t)
 	ipv4 := regexp.MustCompile(`\b\d{1,3}(\.\d{1,3}){3}\b`)
 	ipv6 := regexp.MustCompile(`(?i)[0-9a-f]{0,4}:[0-9a-f]{0,4}:[0-9a-f:]*`)
 	hostPort := regexp.MustCompile(`[^\s/:]+:\d{1,5}$`)
@@ -326,7 +365,7 @@ func TestScrapeTimeSeriesFollowSnapshots(t *testing.T) {
 
 	// No upstream yet: every state of each served service reads 0, and each
 	// known listener has nothing usable.
-	if got, _ := testutil.GatherAndCount(reg, "proxyd_upstreams"); got != 2*len(pool.States()) {
+	if got := countSeries(t, reg, "proxyd_upstreams"); got != 2*len(pool.States()) {
 		t.Errorf("proxyd_upstreams: %d series, want %d", got, 2*len(pool.States()))
 	}
 	check := func(name, text string) {
@@ -345,16 +384,16 @@ proxyd_listener_usable_upstreams{listener="socks"} 0
 	// A service outside the configured set appears with all its states; after
 	// a reload that drops it and an empty snapshot, it is gone.
 	exp = pool.Explanation{Upstreams: []pool.UpstreamExplanation{{Service: 303, State: pool.Quota}}}
-	if got, _ := testutil.GatherAndCount(reg, "proxyd_upstreams"); got != 3*len(pool.States()) {
+	if got := countSeries(t, reg, "proxyd_upstreams"); got != 3*len(pool.States()) {
 		t.Errorf("with service 303: %d series, want %d", got, 3*len(pool.States()))
 	}
 	m.SetUsage(202, 1, 2)
 	m.SetServices([]int{101})
 	exp = pool.Explanation{}
-	if got, _ := testutil.GatherAndCount(reg, "proxyd_upstreams"); got != len(pool.States()) {
+	if got := countSeries(t, reg, "proxyd_upstreams"); got != len(pool.States()) {
 		t.Errorf("after SetServices([101]): %d series, want %d", got, len(pool.States()))
 	}
-	if got, _ := testutil.GatherAndCount(reg, "proxyd_usage_rate", "proxyd_usage_limit"); got != 0 {
+	if got := countSeries(t, reg, "proxyd_usage_rate", "proxyd_usage_limit"); got != 0 {
 		t.Errorf("usage of a service that left: %d series, want 0", got)
 	}
 
@@ -366,13 +405,13 @@ proxyd_listener_usable_upstreams{listener="socks"} 0
 # TYPE proxyd_service_info gauge
 proxyd_service_info{kind="fpr",product="A",service="101",status="Suspended"} 1
 `)
-	if got, _ := testutil.GatherAndCount(reg, "proxyd_service_due_timestamp_seconds"); got != 0 {
+	if got := countSeries(t, reg, "proxyd_service_due_timestamp_seconds"); got != 0 {
 		t.Errorf("due date of a service that left: %d series, want 0", got)
 	}
 
 	// A listener added after a reload has its series at once.
 	m.AddListener("extra")
-	if got, _ := testutil.GatherAndCount(reg, "proxyd_connections_total"); got != 3*int(forward.NumOutcomes) {
+	if got := countSeries(t, reg, "proxyd_connections_total"); got != 3*int(forward.NumOutcomes) {
 		t.Errorf("after AddListener: %d connection series, want %d", got, 3*int(forward.NumOutcomes))
 	}
 }
@@ -414,8 +453,15 @@ proxyd_connections_active{listener="socks"} 0
 `), "proxyd_connections_active"); err != nil {
 		t.Errorf("active after open and a bad close: %v", err)
 	}
-	if got, _ := testutil.GatherAndCount(reg, "proxyd_upstream_dial_seconds"); got != 2 {
+	if got := countSeries(t, reg, "proxyd_upstream_dial_seconds"); got != 2 {
 		t.Errorf("dial histograms: %d, want one per protocol", got)
+	}
+	// The bad close counts as no result, no byte and no retry, and the
+	// unknown protocol's dial goes into no histogram.
+	for _, name := range []string{"proxyd_connections_total", "proxyd_bytes_total", "proxyd_retries_total", "proxyd_upstream_dial_seconds"} {
+		if got := sumSeries(t, reg, name); got != 0 {
+			t.Errorf("%s after a bad close and an unknown dial: %v, want 0", name, got)
+		}
 	}
 }
 

@@ -18,12 +18,7 @@ import (
 // the family names, plus _bucket, _sum and _count for histograms.
 func exportedNames(t *testing.T) map[string]bool {
 	t.Helper()
-	reg, m := newTestMetrics(t)
-	scriptedRun(m)
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, families := scriptedFamilies(t)
 	names := make(map[string]bool)
 	for _, f := range families {
 		names[f.GetName()] = true

@@ -1,31 +1,37 @@
 package metrics
 
-import "strings"
+import (
+	"slices"
+	"strings"
+
+	"github.com/proxyd/proxyd/agent"
+)
 
 // APIRoutes are the route templates of the provider API (PROVIDER_API.md §4),
 // the values of the endpoint label of proxyd_api_requests_total and
-// proxyd_api_request_seconds. The 20 endpoints have 18 templates: GET and
-// POST /api/product/{pid}, and GET and PUT /api/service/{id}, share theirs.
+// proxyd_api_request_seconds. They are the agent's, as it reports them to its
+// Observe hook. The 20 endpoints have 18 templates: GET and POST
+// /api/product/{pid}, and GET and PUT /api/service/{id}, share theirs.
 func APIRoutes() []string {
 	return []string{
-		"/api/clients",
-		"/api/stats/{id}",
-		"/api/rate/{id}",
-		"/api/product/{pid}",
-		"/api/products",
-		"/api/products/orderby/{field}",
-		"/api/networkstatus/errors/{id}",
-		"/api/networkstatus/inactive/{id}",
-		"/api/billing/credit",
-		"/api/billing/invoices",
-		"/api/billing/invoice/{id}",
-		"/api/service/{id}",
-		"/api/services",
-		"/api/iplist/{typel}/{formatl}/{id}",
-		"/api/sticky/list/{id}",
-		"/api/sticky/rotate/{id}/{server}/{session}",
-		"/api/sticky/changettl/{id}/{ttl}",
-		"/api/sticky/resetall/{id}",
+		agent.RouteClients,
+		agent.RouteStats,
+		agent.RouteRate,
+		agent.RouteProduct,
+		agent.RouteProducts,
+		agent.RouteProductsOrderBy,
+		agent.RouteNetworkErrors,
+		agent.RouteNetworkInactive,
+		agent.RouteCredit,
+		agent.RouteInvoices,
+		agent.RouteInvoice,
+		agent.RouteService,
+		agent.RouteServices,
+		agent.RouteIPList,
+		agent.RouteStickyList,
+		agent.RouteStickyRotate,
+		agent.RouteStickyChangeTTL,
+		agent.RouteStickyResetAll,
 	}
 }
 
@@ -39,11 +45,11 @@ func RotationResults() []string { return []string{"ok", "error", "rate_limited"}
 // normalizeRoute maps route to its label value: an optional method prefix
 // ("GET /api/...") is dropped, and anything that is not a known template
 // becomes OtherRoute.
-func normalizeRoute(known map[string]bool, route string) string {
+func normalizeRoute(route string) string {
 	if i := strings.IndexByte(route, ' '); i >= 0 {
 		route = strings.TrimSpace(route[i+1:])
 	}
-	if known[route] {
+	if slices.Contains(APIRoutes(), route) {
 		return route
 	}
 	return OtherRoute
