@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -93,9 +94,9 @@ func (c Config) Validate() error {
 		return fmt.Errorf("eject_base: must not be negative, got %s", c.EjectBase)
 	case c.EjectMax < 0:
 		return fmt.Errorf("eject_max: must not be negative, got %s", c.EjectMax)
-	case c.MaxEjectedShare < 0 || c.MaxEjectedShare > 1:
+	case !(c.MaxEjectedShare >= 0 && c.MaxEjectedShare <= 1): // NaN too
 		return fmt.Errorf("max_ejected_share: must be within 0–1, got %g", c.MaxEjectedShare)
-	case c.LatencyTolerance < 0:
+	case !(c.LatencyTolerance >= 0): // NaN too
 		return fmt.Errorf("latency_tolerance: must not be negative, got %g", c.LatencyTolerance)
 	case c.StickyIdle < 0:
 		return fmt.Errorf("sticky_idle: must not be negative, got %s", c.StickyIdle)
@@ -123,45 +124,19 @@ func (c Config) Validate() error {
 
 // withDefaults returns c with every zero field set to its default.
 func (c Config) withDefaults() Config {
-	if c.Strategy == "" {
-		c.Strategy = RoundRobin
-	}
-	if c.FailureThreshold == 0 {
-		c.FailureThreshold = DefaultFailureThreshold
-	}
-	if c.EjectBase == 0 {
-		c.EjectBase = DefaultEjectBase
-	}
-	if c.EjectMax == 0 {
-		c.EjectMax = DefaultEjectMax
-	}
-	if c.MaxEjectedShare == 0 {
-		c.MaxEjectedShare = DefaultMaxEjectedShare
-	}
-	if c.LatencyTolerance == 0 {
-		c.LatencyTolerance = DefaultLatencyTolerance
-	}
-	if c.StickyIdle == 0 {
-		c.StickyIdle = DefaultStickyIdle
-	}
-	if c.StickyMax == 0 {
-		c.StickyMax = DefaultStickyMax
-	}
-	if c.RotateInterval == 0 {
-		c.RotateInterval = DefaultRotateInterval
-	}
-	if c.RotateWait == 0 {
-		c.RotateWait = DefaultRotateWait
-	}
-	if c.RotateTimeout == 0 {
-		c.RotateTimeout = DefaultRotateTimeout
-	}
-	if c.ProbeBudget == 0 {
-		c.ProbeBudget = DefaultProbeBudget
-	}
-	if c.ProbeTimeout == 0 {
-		c.ProbeTimeout = DefaultProbeTimeout
-	}
+	c.Strategy = cmp.Or(c.Strategy, RoundRobin)
+	c.FailureThreshold = cmp.Or(c.FailureThreshold, DefaultFailureThreshold)
+	c.EjectBase = cmp.Or(c.EjectBase, DefaultEjectBase)
+	c.EjectMax = cmp.Or(c.EjectMax, DefaultEjectMax)
+	c.MaxEjectedShare = cmp.Or(c.MaxEjectedShare, DefaultMaxEjectedShare)
+	c.LatencyTolerance = cmp.Or(c.LatencyTolerance, DefaultLatencyTolerance)
+	c.StickyIdle = cmp.Or(c.StickyIdle, DefaultStickyIdle)
+	c.StickyMax = cmp.Or(c.StickyMax, DefaultStickyMax)
+	c.RotateInterval = cmp.Or(c.RotateInterval, DefaultRotateInterval)
+	c.RotateWait = cmp.Or(c.RotateWait, DefaultRotateWait)
+	c.RotateTimeout = cmp.Or(c.RotateTimeout, DefaultRotateTimeout)
+	c.ProbeBudget = cmp.Or(c.ProbeBudget, DefaultProbeBudget)
+	c.ProbeTimeout = cmp.Or(c.ProbeTimeout, DefaultProbeTimeout)
 	return c
 }
 

@@ -106,7 +106,7 @@ func (p *Pool) listenersOf(s *snapshot, ns int64) []ListenerExplanation {
 		}
 		// Panic: a failing upstream is kept in because this slice has no
 		// room under its ejection cap.
-		le.Panic = held && sl.ejected.Load() >= int64(p.cfg.MaxEjectedShare*float64(sl.eligible.Load()))
+		le.Panic = held && sl.ejected.Load() >= p.ejectCap(sl)
 		out = append(out, le)
 	}
 	return out

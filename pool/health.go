@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"net"
 	"sync/atomic"
 	"time"
 )
@@ -71,20 +72,11 @@ func (h *host) setFlags(mask, val uint32) (old uint32) {
 	}
 }
 
+// hostPart is the host of addr as the provider's status lists name it;
+// addr itself when it has no port.
 func hostPart(addr string) string {
-	// Like net.SplitHostPort without its errors: "[v6]:port", "host:port", "host".
-	if len(addr) > 0 && addr[0] == '[' {
-		for i := 1; i < len(addr); i++ {
-			if addr[i] == ']' {
-				return addr[1:i]
-			}
-		}
-		return addr
-	}
-	for i := len(addr) - 1; i >= 0; i-- {
-		if addr[i] == ':' {
-			return addr[:i]
-		}
+	if h, _, err := net.SplitHostPort(addr); err == nil {
+		return h
 	}
 	return addr
 }
@@ -199,8 +191,7 @@ func (p *Pool) eject(h *host) {
 			if !sl.matches(u) {
 				continue
 			}
-			limit := int64(p.cfg.MaxEjectedShare * float64(sl.eligible.Load()))
-			if sl.ejected.Load()+1 > limit {
+			if sl.ejected.Load()+1 > p.ejectCap(sl) {
 				h.held.Store(true)
 				p.ejectMu.Unlock()
 				return
@@ -220,6 +211,11 @@ func (p *Pool) eject(h *host) {
 	h.ejections.Add(1)
 	p.ejectMu.Unlock()
 	p.ejected(h, u)
+}
+
+// ejectCap is how many members of sl may be ejected at once.
+func (p *Pool) ejectCap(sl *slice) int64 {
+	return int64(p.cfg.MaxEjectedShare * float64(sl.eligible.Load()))
 }
 
 // reeject extends the ejection of a probing upstream whose trial failed; it

@@ -84,14 +84,7 @@ func TestEjectionBackoffGrowsToCap(t *testing.T) {
 			t.Fatalf("after ejection %d: %s, want probing", k+1, s.State)
 		}
 		// The trial connection fails: ejected again, for longer.
-		var trial *Upstream
-		for trial == nil || trial.ID() != u.ID() {
-			if trial != nil {
-				p.Report(trial, Canceled, 0)
-				p.Release(trial)
-			}
-			trial, _ = p.Pick(context.Background(), Request{})
-		}
+		trial := pickUntil(t, p, Request{}, u.ID())
 		p.Report(trial, DialTimeout, time.Second)
 		p.Release(trial)
 	}
@@ -193,14 +186,7 @@ func TestProbingOneTrialAtATime(t *testing.T) {
 	if s := stateOf(t, p, u.ID()); s.State != Probing {
 		t.Fatalf("after a cancelled trial: %s", s.State)
 	}
-	var trial *Upstream
-	for trial == nil || trial.ID() != u.ID() {
-		if trial != nil {
-			p.Report(trial, Success, time.Millisecond)
-			p.Release(trial)
-		}
-		trial = mustPick(t, p, Request{})
-	}
+	trial := pickUntil(t, p, Request{}, u.ID())
 	p.Report(trial, Success, time.Millisecond)
 	p.Release(trial)
 	if s := stateOf(t, p, u.ID()); s.State != Healthy || s.InFlight != 0 || s.ConsecutiveFailures != 0 {
@@ -215,15 +201,6 @@ func TestProbingOneTrialAtATime(t *testing.T) {
 	if n != 10 {
 		t.Errorf("re-admitted upstream took %d of 30 round-robin picks, want 10", n)
 	}
-}
-
-func mustPick(t testing.TB, p *Pool, req Request) *Upstream {
-	t.Helper()
-	u, err := p.Pick(context.Background(), req)
-	if err != nil {
-		t.Fatalf("Pick: %v", err)
-	}
-	return u
 }
 
 func TestEjectionCapAndPanic(t *testing.T) {

@@ -44,13 +44,14 @@ func newTestPool(t testing.TB, cfg Config, opts Options) *Pool {
 	return p
 }
 
-// ups makes n fpr http upstreams of a service at 10.s.x.y:8080.
+// ups makes n fpr http upstreams of a service at 10.s.x.y:8080; past
+// 65,536 of them the port goes up, so that every ID is distinct.
 func ups(service, n int) []Upstream {
 	out := make([]Upstream, n)
 	for i := range out {
 		out[i] = Upstream{
 			Service: service, Kind: FPR, Protocol: HTTP,
-			Address:  fmt.Sprintf("10.%d.%d.%d:8080", service%256, i/256%256, i%256),
+			Address:  fmt.Sprintf("10.%d.%d.%d:%d", service%256, i/256%256, i%256, 8080+i/65536),
 			Username: "u", Password: fmt.Sprintf("secret-%d", i),
 		}
 	}
@@ -70,8 +71,8 @@ func sessions(service, n int, gw string) []Upstream {
 	return out
 }
 
-// pick picks, fails the test on an error, and reports and releases at once
-// with r.
+// pickReport picks, fails the test on an error, and reports and releases at
+// once with r.
 func pickReport(t testing.TB, p *Pool, req Request, r Result) *Upstream {
 	t.Helper()
 	u, err := p.Pick(context.Background(), req)
@@ -80,6 +81,31 @@ func pickReport(t testing.TB, p *Pool, req Request, r Result) *Upstream {
 	}
 	p.Report(u, r, time.Millisecond)
 	p.Release(u)
+	return u
+}
+
+// pickUntil picks until the pick is the upstream id and returns it, held;
+// the picks before it are reported Canceled (no verdict) and released.
+func pickUntil(t testing.TB, p *Pool, req Request, id string) *Upstream {
+	t.Helper()
+	for range 1000 {
+		u := mustPick(t, p, req)
+		if u.ID() == id {
+			return u
+		}
+		p.Report(u, Canceled, 0)
+		p.Release(u)
+	}
+	t.Fatalf("1000 picks, none of them %s", id)
+	return nil
+}
+
+func mustPick(t testing.TB, p *Pool, req Request) *Upstream {
+	t.Helper()
+	u, err := p.Pick(context.Background(), req)
+	if err != nil {
+		t.Fatalf("Pick(%+v): %v", req, err)
+	}
 	return u
 }
 

@@ -7,7 +7,6 @@ import (
 	"maps"
 	"math/rand/v2"
 	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -211,20 +210,6 @@ func (s *snapshot) slice(name string) *slice {
 		}
 	}
 	return nil
-}
-
-// appendID appends u.ID() to b without allocating.
-func appendID(b []byte, u *Upstream) []byte {
-	b = strconv.AppendInt(b, int64(u.Service), 10)
-	b = append(b, '/')
-	b = append(b, u.Protocol...)
-	b = append(b, '/')
-	b = append(b, u.Address...)
-	if u.Session != "" {
-		b = append(b, '/')
-		b = append(b, u.Session...)
-	}
-	return b
 }
 
 func sameUpstream(a, b *Upstream) bool {

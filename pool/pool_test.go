@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -20,6 +22,8 @@ func TestConfigValidate(t *testing.T) {
 		{Config{FailureThreshold: -1}, "failure_threshold: must not be negative, got -1"},
 		{Config{EjectBase: -time.Second}, "eject_base: must not be negative, got -1s"},
 		{Config{MaxEjectedShare: 1.5}, "max_ejected_share: must be within 0–1, got 1.5"},
+		{Config{MaxEjectedShare: math.NaN()}, "max_ejected_share: must be within 0–1, got NaN"},
+		{Config{LatencyTolerance: math.NaN()}, "latency_tolerance: must not be negative, got NaN"},
 		{Config{EjectBase: time.Minute, EjectMax: time.Second}, "eject_max: must not be less than eject_base (1m0s), got 1s"},
 		{Config{EjectBase: 10 * time.Minute}, "eject_max: must not be less than eject_base (10m0s), got 5m0s"},
 		{Config{StickyMax: -5}, "sticky_max: must not be negative, got -5"},
@@ -54,14 +58,39 @@ func TestAppendIDMatchesID(t *testing.T) {
 			t.Errorf("appendID = %q, ID() = %q", got, u.ID())
 		}
 	}
+	// A pool-handed upstream's ID is the one computed once; a copy with
+	// other fields has its own.
+	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	set := append(ups(7, 2), sessions(9, 2, "198.51.100.1")...)
+	p.Update(set)
+	for _, u := range set {
+		h := handle(p, u)
+		if got := h.ID(); got != u.ID() {
+			t.Errorf("handed-out ID = %q, want %q", got, u.ID())
+		}
+		c := *h
+		c.Address = "192.0.2.1:1"
+		if got, want := c.ID(), string(appendID(nil, &c)); got != want {
+			t.Errorf("copy's ID = %q, want %q", got, want)
+		}
+	}
 	u := Upstream{Service: 101, Protocol: HTTP, Address: "[2001:db8::1]:8080"}
 	if got, want := u.ID(), "101/http/[2001:db8::1]:8080"; got != want {
 		t.Errorf("ID = %q, want %q", got, want)
 	}
-	for addr, want := range map[string]string{"1.2.3.4:80": "1.2.3.4", "[2001:db8::1]:80": "2001:db8::1", "gw.example": "gw.example"} {
+	for addr, want := range map[string]string{"1.2.3.4:80": "1.2.3.4", "[2001:db8::1]:80": "2001:db8::1", "gw.example": "gw.example", "2001:db8::1": "2001:db8::1"} {
 		if got := hostPart(addr); got != want {
 			t.Errorf("hostPart(%q) = %q, want %q", addr, got, want)
 		}
+	}
+}
+
+// FailureReasons is derived from Result: it must stay the five classes of
+// DESIGN.md §7, the label values of proxyd_upstream_failures_total.
+func TestFailureReasons(t *testing.T) {
+	want := []string{"dial_refused", "dial_timeout", "handshake_timeout", "auth_rejected", "proxy_error"}
+	if got := FailureReasons(); !slices.Equal(got, want) {
+		t.Errorf("FailureReasons() = %q, want %q", got, want)
 	}
 }
 
@@ -239,14 +268,7 @@ func TestUpdateKeepsStateAndDrains(t *testing.T) {
 	busy := handle(p, set[1])
 	fail(p, busy, 2)
 	// Hold a connection on set[3], which the refresh removes.
-	var gone *Upstream
-	for gone == nil || gone.ID() != set[3].ID() {
-		if gone != nil {
-			p.Report(gone, Canceled, 0)
-			p.Release(gone)
-		}
-		gone, _ = p.Pick(context.Background(), Request{})
-	}
+	gone := pickUntil(t, p, Request{}, set[3].ID())
 	p.Report(gone, Success, time.Millisecond)
 
 	next := append([]Upstream{}, set[:3]...)

@@ -110,12 +110,21 @@ func TestRotationRateLimitAndResults(t *testing.T) {
 	if rot.count() != 5 {
 		t.Errorf("%d calls, want 5", rot.count())
 	}
-	// Other sessions are not rotated; fpr upstreams never.
+	// Other sessions are not rotated; fpr upstreams never. Rotations run
+	// in their own goroutines: stopping them waits for any that started.
 	p.Update(append(ss, ups(8, 1)...))
 	fail(p, handle(p, ups(8, 1)[0]), 1)
+	p.stopRotations()
 	if rot.count() != 5 {
 		t.Errorf("an fpr failure rotated")
 	}
+	rot.mu.Lock()
+	for _, c := range rot.calls {
+		if c != "7/gw.example.net/s0" {
+			t.Errorf("rotated %s, which never failed", c)
+		}
+	}
+	rot.mu.Unlock()
 }
 
 // stickyOn returns a key that the pool assigns to want.

@@ -79,7 +79,6 @@ func (p *Pool) probeOnce(ctx context.Context) {
 		cancel()
 		switch {
 		case r == Success:
-			h.consec.Store(0)
 			p.readmit(h, p.now().UnixNano())
 		case r.UpstreamFault() && p.now().UnixNano() >= h.ejectedUntil.Load():
 			h.failures.Add(1)

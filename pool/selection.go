@@ -206,10 +206,5 @@ func (p *Pool) Pick(ctx context.Context, req Request) (*Upstream, error) {
 	if req.Key != "" {
 		return p.pickSticky(ctx, sl, req)
 	}
-	f := filter{avoid: req.Avoid, clock: p.fastNow}
-	h := p.choose(sl, &f)
-	if h == nil {
-		return nil, ErrNoUpstream
-	}
-	return h.cur.Load(), nil
+	return p.pickOnce(sl, req.Avoid, nil)
 }

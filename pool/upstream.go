@@ -2,7 +2,6 @@ package pool
 
 import (
 	"strconv"
-	"strings"
 	"time"
 )
 
@@ -45,18 +44,27 @@ type Upstream struct {
 // /session for a ppr sticky session. A refresh that yields the same ID keeps
 // the upstream's state.
 func (u *Upstream) ID() string {
-	var b strings.Builder
-	b.Grow(len(u.Address) + len(u.Session) + 24)
-	b.WriteString(strconv.Itoa(u.Service))
-	b.WriteByte('/')
-	b.WriteString(string(u.Protocol))
-	b.WriteByte('/')
-	b.WriteString(u.Address)
-	if u.Session != "" {
-		b.WriteByte('/')
-		b.WriteString(u.Session)
+	if h := u.h; h != nil && h.cur.Load() == u {
+		return h.id // computed once, when the pool first saw the upstream
 	}
-	return b.String()
+	// Not the pool's current value (a copy, or replaced by a rotation):
+	// its fields may say otherwise.
+	var buf [64]byte
+	return string(appendID(buf[:0], u))
+}
+
+// appendID appends u's ID to b: Update looks IDs up in a reused buffer.
+func appendID(b []byte, u *Upstream) []byte {
+	b = strconv.AppendInt(b, int64(u.Service), 10)
+	b = append(b, '/')
+	b = append(b, u.Protocol...)
+	b = append(b, '/')
+	b = append(b, u.Address...)
+	if u.Session != "" {
+		b = append(b, '/')
+		b = append(b, u.Session...)
+	}
+	return b
 }
 
 // Result is what happened when a connection was tried through an upstream:
@@ -100,7 +108,11 @@ func (r Result) UpstreamFault() bool { return r >= DialRefused && r <= ProxyErro
 
 // FailureReasons are the label values of proxyd_upstream_failures_total.
 func FailureReasons() []string {
-	return []string{"dial_refused", "dial_timeout", "handshake_timeout", "auth_rejected", "proxy_error"}
+	var out []string
+	for r := DialRefused; r.UpstreamFault(); r++ {
+		out = append(out, r.String())
+	}
+	return out
 }
 
 // State of an upstream as /pool shows it (DESIGN.md §5).
