@@ -227,13 +227,13 @@ func New(cfg Config) (*Client, error) {
 // answer is a *APIError.
 func (c *Client) Call(ctx context.Context, method, route string, args []string, body any) ([]byte, error) {
 	start := time.Now()
-	if _, err := fillRoute(route, args); err != nil {
+	path, err := fillRoute(route, args)
+	if err != nil {
 		return nil, fmt.Errorf("calling %s %s: %w", method, route, err)
 	}
 	var reqBody io.Reader
 	if body != nil {
 		var b []byte
-		var err error
 		switch v := body.(type) {
 		case []byte:
 			b = v
@@ -246,7 +246,7 @@ func (c *Client) Call(ctx context.Context, method, route string, args []string, 
 		}
 		reqBody = bytes.NewReader(b)
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+escapedPath(route, args), reqBody)
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, reqBody)
 	if err != nil {
 		return nil, fmt.Errorf("calling %s %s: %w", method, route, err)
 	}
@@ -355,7 +355,8 @@ type scrubbedError struct {
 func (e *scrubbedError) Error() string { return e.msg }
 func (e *scrubbedError) Unwrap() error { return e.err }
 
-// fillRoute substitutes args into route's placeholders, unescaped.
+// fillRoute substitutes args, path-escaped, into route's placeholders. Its
+// errors name placeholders, never argument values.
 func fillRoute(route string, args []string) (string, error) {
 	var b strings.Builder
 	n := 0
@@ -377,7 +378,7 @@ func fillRoute(route string, args []string) (string, error) {
 			return "", fmt.Errorf("argument %s is empty", rest[i:i+j+1])
 		}
 		b.WriteString(rest[:i])
-		b.WriteString(args[n])
+		b.WriteString(url.PathEscape(args[n]))
 		n++
 		rest = rest[i+j+1:]
 	}
@@ -388,17 +389,6 @@ func fillRoute(route string, args []string) (string, error) {
 		return "", errors.New("route must start with /")
 	}
 	return b.String(), nil
-}
-
-// escapedPath is fillRoute with each argument path-escaped; fillRoute has
-// validated route and args.
-func escapedPath(route string, args []string) string {
-	esc := make([]string, len(args))
-	for i, a := range args {
-		esc[i] = url.PathEscape(a)
-	}
-	p, _ := fillRoute(route, esc)
-	return p
 }
 
 // decodeError wraps a decoding failure of route's answer. A 2xx body that

@@ -263,9 +263,12 @@ func TestNoEnvironmentProxy(t *testing.T) {
 func TestObserveCodes(t *testing.T) {
 	srv, _ := serve(t, 422, `{"error":"Unprocessable Entity "}`)
 	var got []string
-	c, _ := New(Config{BaseURL: srv.URL, Token: testToken, Observe: func(route, code string, took time.Duration) {
+	c, err := New(Config{BaseURL: srv.URL, Token: testToken, Observe: func(route, code string, took time.Duration) {
 		got = append(got, route+" "+code)
 	}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	_, _ = c.IPList(context.Background(), 101, "http-auth", "txt")
 	if len(got) != 1 || got[0] != RouteIPList+" 422" {
 		t.Errorf("observed %q", got)

@@ -2,10 +2,12 @@ package agent
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sort"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -46,20 +48,12 @@ func decodeArray(body []byte) ([]json.RawMessage, error) {
 				}
 			}
 		}
-		keys := make([]int, 0, len(obj))
-		byNum := make(map[int]json.RawMessage, len(obj))
-		for k, v := range obj {
-			n, err := strconv.Atoi(k)
-			if err != nil {
+		elems := make([]json.RawMessage, 0, len(obj))
+		for _, k := range sortedKeys(obj) {
+			if _, err := strconv.Atoi(k); err != nil {
 				return nil, errors.New("expected a list, got an object")
 			}
-			keys = append(keys, n)
-			byNum[n] = v
-		}
-		sort.Ints(keys)
-		elems := make([]json.RawMessage, 0, len(keys))
-		for _, k := range keys {
-			elems = append(elems, byNum[k])
+			elems = append(elems, obj[k])
 		}
 		return elems, nil
 	}
@@ -95,13 +89,13 @@ func decodeObject(body []byte, v any, known ...string) error {
 	if err := json.Unmarshal(body, &obj); err != nil {
 		// A one-element array holding the object is accepted too.
 		var arr []json.RawMessage
-		if json.Unmarshal(body, &arr) == nil && len(arr) == 1 {
-			if first := bytes.TrimSpace(arr[0]); len(first) > 0 && first[0] == '{' {
+		if json.Unmarshal(body, &arr) == nil {
+			if len(arr) == 0 {
+				return errors.New("empty list instead of an object")
+			}
+			if first := bytes.TrimSpace(arr[0]); len(arr) == 1 && len(first) > 0 && first[0] == '{' {
 				return decodeObject(first, v, known...)
 			}
-		}
-		if json.Unmarshal(body, &arr) == nil && len(arr) == 0 {
-			return errors.New("empty list instead of an object")
 		}
 		return err
 	}
@@ -129,6 +123,28 @@ func lookupFold(obj map[string]json.RawMessage, key string) (json.RawMessage, bo
 		}
 	}
 	return nil, false
+}
+
+// sortedKeys returns the keys of a decoded JSON object, numeric keys first
+// in numeric order (a PHP array's indexes), then the others in byte order,
+// so that lists keep their order and duplicates resolve the same way every
+// time.
+func sortedKeys[V any](obj map[string]V) []string {
+	keys := slices.Collect(maps.Keys(obj))
+	slices.SortFunc(keys, func(a, b string) int {
+		na, errA := strconv.Atoi(a)
+		nb, errB := strconv.Atoi(b)
+		switch {
+		case errA == nil && errB == nil:
+			return cmp.Compare(na, nb)
+		case errA == nil:
+			return -1
+		case errB == nil:
+			return 1
+		}
+		return strings.Compare(a, b)
+	})
+	return keys
 }
 
 // normKey lowercases a key and drops '_' and '-', so that "session_id",

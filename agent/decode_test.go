@@ -174,10 +174,13 @@ func TestOrderAndUpdateService(t *testing.T) {
 		!reflect.DeepEqual(sent, map[string]string{"setip": "203.0.113.5", "update_list": "true", "password": "bmV3IHB3"}) {
 		t.Errorf("update request %s %s %s", r.Method, r.URL.Path, b)
 	}
-	srv, _ = serve(t, 200, `[]`)
+	srv, rec = serve(t, 200, `[]`)
 	up, err = newTestClient(t, srv.URL).UpdateService(ctx, 101, ServiceUpdate{})
 	if err != nil || len(up) != 0 {
 		t.Errorf("empty update = %v, %v", up, err)
+	}
+	if _, b := rec.last(); string(b) != `{}` {
+		t.Errorf("empty update sent %s, want {}", b)
 	}
 }
 

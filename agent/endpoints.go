@@ -3,12 +3,10 @@ package agent
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
-	"sort"
 	"strconv"
 	"strings"
 )
@@ -38,19 +36,25 @@ const (
 
 func itoa(i int) string { return strconv.Itoa(i) }
 
-// get calls a GET endpoint and decodes with dec, wrapping decode failures in
-// a *DecodeError naming the route.
-func get[T any](ctx context.Context, c *Client, route string, dec func([]byte) (T, error), args ...string) (T, error) {
-	var zero T
-	body, err := c.Call(ctx, http.MethodGet, route, args, nil)
+// call sends one request and decodes the answer with dec, wrapping a decode
+// failure in a *DecodeError naming the route. What dec returns with its
+// error is passed on (an IPList or StickyList keeps Raw and BadLines).
+func call[T any](ctx context.Context, c *Client, method, route string, args []string, body any, dec func([]byte) (T, error)) (T, error) {
+	raw, err := c.Call(ctx, method, route, args, body)
 	if err != nil {
+		var zero T
 		return zero, err
 	}
-	v, err := dec(body)
+	v, err := dec(raw)
 	if err != nil {
-		return zero, c.decodeError(route, body, err)
+		return v, c.decodeError(route, raw, err)
 	}
 	return v, nil
+}
+
+// get is call for a GET endpoint without a body.
+func get[T any](ctx context.Context, c *Client, route string, dec func([]byte) (T, error), args ...string) (T, error) {
+	return call(ctx, c, http.MethodGet, route, args, nil, dec)
 }
 
 func object[T any](known ...string) func([]byte) (*T, error) {
@@ -86,15 +90,7 @@ func (c *Client) Product(ctx context.Context, pid int) (*Product, error) {
 // Order orders a new service of product pid for a client, paid from the
 // credit (endpoint 5).
 func (c *Client) Order(ctx context.Context, pid int, o OrderRequest) (*OrderResult, error) {
-	body, err := c.Call(ctx, http.MethodPost, RouteProduct, []string{itoa(pid)}, o)
-	if err != nil {
-		return nil, err
-	}
-	v, err := object[OrderResult]("serviceId", "orderId", "invoiceId")(body)
-	if err != nil {
-		return nil, c.decodeError(RouteProduct, body, err)
-	}
-	return v, nil
+	return call(ctx, c, http.MethodPost, RouteProduct, []string{itoa(pid)}, o, object[OrderResult]("serviceId", "orderId", "invoiceId"))
 }
 
 // Products lists the products (endpoint 6).
@@ -138,9 +134,8 @@ func decodeIPs(body []byte) ([]string, error) {
 			found := false
 			for _, k := range []string{"ip", "host", "address"} {
 				if v, ok := lookupFold(obj, k); ok {
-					var t text
-					if json.Unmarshal(v, &t) == nil && t != "" {
-						out = append(out, string(t))
+					if ip, err := parseText(v); err == nil && ip != "" {
+						out = append(out, ip)
 						found = true
 						break
 					}
@@ -164,7 +159,7 @@ func decodeIPs(body []byte) ([]string, error) {
 
 // Credit returns the account credit in USD (endpoint 10).
 func (c *Client) Credit(ctx context.Context) (float64, error) {
-	v, err := get(ctx, c, RouteCredit, func(b []byte) (float64, error) {
+	return get(ctx, c, RouteCredit, func(b []byte) (float64, error) {
 		var w struct {
 			Credit Number `json:"credit"`
 		}
@@ -173,7 +168,6 @@ func (c *Client) Credit(ctx context.Context) (float64, error) {
 		}
 		return float64(w.Credit), nil
 	})
-	return v, err
 }
 
 // Invoices lists the invoices (endpoint 11).
@@ -210,25 +204,7 @@ func (c *Client) Services(ctx context.Context) ([]ServiceItem, error) {
 // allowed time fails with ErrTooManyAttempts; the *APIError carries
 // NextAllowed.
 func (c *Client) UpdateService(ctx context.Context, id int, u ServiceUpdate) (ServiceUpdateResult, error) {
-	req := map[string]string{}
-	if u.SetIP != "" {
-		req["setip"] = u.SetIP
-	}
-	if u.UpdateList {
-		req["update_list"] = "true"
-	}
-	if u.Password != "" {
-		req["password"] = base64.StdEncoding.EncodeToString([]byte(u.Password))
-	}
-	body, err := c.Call(ctx, http.MethodPut, RouteService, []string{itoa(id)}, req)
-	if err != nil {
-		return nil, err
-	}
-	res, err := decodeUpdateResult(body)
-	if err != nil {
-		return nil, c.decodeError(RouteService, body, err)
-	}
-	return res, nil
+	return call(ctx, c, http.MethodPut, RouteService, []string{itoa(id)}, u, decodeUpdateResult)
 }
 
 // decodeUpdateResult reads {"action": {"success": "message"}}; a bare string
@@ -243,12 +219,7 @@ func decodeUpdateResult(body []byte) (ServiceUpdateResult, error) {
 	if err := json.Unmarshal(t, &obj); err != nil {
 		return nil, err
 	}
-	keys := make([]string, 0, len(obj))
-	for k := range obj {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
+	for _, k := range sortedKeys(obj) {
 		v := bytes.TrimSpace(obj[k])
 		if len(v) > 0 && v[0] == '{' {
 			var inner map[string]json.RawMessage
@@ -258,9 +229,8 @@ func decodeUpdateResult(body []byte) (ServiceUpdateResult, error) {
 			msg := ""
 			for _, mk := range []string{"success", "error", "message"} {
 				if m, ok := lookupFold(inner, mk); ok {
-					var s text
-					if json.Unmarshal(m, &s) == nil {
-						msg = string(s)
+					if s, err := parseText(m); err == nil {
+						msg = s
 						break
 					}
 				}
@@ -268,11 +238,11 @@ func decodeUpdateResult(body []byte) (ServiceUpdateResult, error) {
 			res[k] = msg
 			continue
 		}
-		var s text
-		if err := json.Unmarshal(v, &s); err != nil {
+		s, err := parseText(v)
+		if err != nil {
 			return nil, fmt.Errorf("action %q: %w", k, err)
 		}
-		res[k] = string(s)
+		res[k] = s
 	}
 	return res, nil
 }
@@ -286,28 +256,12 @@ func (c *Client) IPList(ctx context.Context, id int, typ, format string) (*IPLis
 	if !validFormat(format) {
 		return nil, fmt.Errorf("requesting ip list: unknown format %q (want txt, csv or json)", format)
 	}
-	body, err := c.Call(ctx, http.MethodGet, RouteIPList, []string{typ, format, itoa(id)}, nil)
-	if err != nil {
-		return nil, err
-	}
-	l, err := ParseIPList(body, format)
-	if err != nil {
-		return l, c.decodeError(RouteIPList, body, err)
-	}
-	return l, nil
+	return get(ctx, c, RouteIPList, func(b []byte) (*IPList, error) { return ParseIPList(b, format) }, typ, format, itoa(id))
 }
 
 // StickyList lists the sticky sessions of a ppr service (endpoint 17).
 func (c *Client) StickyList(ctx context.Context, id int) (*StickyList, error) {
-	body, err := c.Call(ctx, http.MethodGet, RouteStickyList, []string{itoa(id)}, nil)
-	if err != nil {
-		return nil, err
-	}
-	l, err := ParseStickyList(body)
-	if err != nil {
-		return l, c.decodeError(RouteStickyList, body, err)
-	}
-	return l, nil
+	return get(ctx, c, RouteStickyList, ParseStickyList, itoa(id))
 }
 
 // StickyRotate gives a sticky session a new exit IP (endpoint 18).
@@ -330,11 +284,9 @@ func (c *Client) StickyResetAll(ctx context.Context, id int) (*StickyResult, err
 }
 
 func (c *Client) sticky(ctx context.Context, route string, args ...string) (*StickyResult, error) {
-	body, err := c.Call(ctx, http.MethodGet, route, args, nil)
-	if err != nil {
-		return nil, err
-	}
-	return &StickyResult{Raw: body, ExitIP: findExitIP(body)}, nil
+	return get(ctx, c, route, func(b []byte) (*StickyResult, error) {
+		return &StickyResult{Raw: b, ExitIP: findExitIP(b)}, nil
+	}, args...)
 }
 
 func validFormat(f string) bool { return f == "txt" || f == "csv" || f == "json" }

@@ -5,7 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/netip"
-	"sort"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -167,12 +167,12 @@ func (p *listParser) jsonValue(raw []byte, depth int) {
 		// An element that is an array of fields: ["1.2.3.4", 8080, "u", "p"].
 		fields := make([]string, 0, len(elems))
 		for _, e := range elems {
-			var s text
-			if json.Unmarshal(e, &s) != nil {
+			s, err := parseText(e)
+			if err != nil {
 				p.bad(raw)
 				return
 			}
-			fields = append(fields, string(s))
+			fields = append(fields, s)
 		}
 		e, ok := record(fields)
 		p.add(e, ok, raw)
@@ -191,12 +191,7 @@ func (p *listParser) jsonValue(raw []byte, depth int) {
 			}
 			if !isEntryObject(obj) {
 				// An object of entries keyed by index or name.
-				keys := make([]string, 0, len(obj))
-				for k := range obj {
-					keys = append(keys, k)
-				}
-				sortKeys(keys)
-				for _, k := range keys {
+				for _, k := range sortedKeys(obj) {
 					p.jsonValue(obj[k], 1)
 				}
 				return
@@ -272,23 +267,6 @@ func allScalars(elems []json.RawMessage) bool {
 	return true
 }
 
-// sortKeys orders numeric keys numerically, before other keys in byte order.
-func sortKeys(keys []string) {
-	sort.Slice(keys, func(i, j int) bool {
-		a, errA := strconv.Atoi(keys[i])
-		b, errB := strconv.Atoi(keys[j])
-		switch {
-		case errA == nil && errB == nil:
-			return a < b
-		case errA == nil:
-			return true
-		case errB == nil:
-			return false
-		}
-		return keys[i] < keys[j]
-	})
-}
-
 // Field synonyms of list entries, as normalised keys (see normKey).
 var (
 	hostKeys     = [...]string{"host", "ip", "address", "addr", "hostname", "server", "proxyip", "proxyhost", "proxyaddress"}
@@ -335,11 +313,8 @@ func entryFromObject(obj map[string]json.RawMessage) (Entry, bool) {
 		if !ok {
 			return "", true
 		}
-		var t text
-		if json.Unmarshal(raw, &t) != nil {
-			return "", false
-		}
-		return string(t), true
+		s, err := parseText(raw)
+		return s, err == nil
 	}
 	host, okH := str(hostKeys[:])
 	login, okL := str(loginKeys[:])
@@ -381,6 +356,14 @@ func entryFromObject(obj map[string]json.RawMessage) (Entry, bool) {
 	return Entry{Host: host, Port: port, Login: login, Password: password}, true
 }
 
+// csvColumns are the fields a csv header names, with their synonyms.
+var csvColumns = [...]struct {
+	name string
+	keys []string
+}{
+	{"host", hostKeys[:]}, {"port", portKeys[:]}, {"login", loginKeys[:]}, {"password", passwordKeys[:]}, {"line", lineKeys[:]},
+}
+
 // csvHeader returns the column of each known field if line is a csv header
 // row: several fields, at least one a known name, none a port number.
 func csvHeader(line string) map[string]int {
@@ -397,13 +380,9 @@ func csvHeader(line string) map[string]int {
 			return nil
 		}
 		nf := normKey(strings.Trim(f, `"' `))
-		for name, keys := range map[string][]string{"host": hostKeys[:], "port": portKeys[:], "login": loginKeys[:], "password": passwordKeys[:], "line": lineKeys[:]} {
-			for _, k := range keys {
-				if nf == k {
-					if _, dup := cols[name]; !dup {
-						cols[name] = i
-					}
-				}
+		for _, c := range csvColumns {
+			if _, dup := cols[c.name]; !dup && slices.Contains(c.keys, nf) {
+				cols[c.name] = i
 			}
 		}
 	}

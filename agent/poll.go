@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"net"
 	"slices"
@@ -157,54 +158,30 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 func (p *Poller) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 	intervals := [numLoops]time.Duration{p.cfg.Account, p.cfg.IPList, p.cfg.NetworkStatus, p.cfg.Usage}
-	first := make(chan struct{})
+	first := make(chan struct{}) // closed after the account loop's first round
 	for l := Loop(0); l < numLoops; l++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if l != LoopAccount && !p.waitFirst(ctx, l, first) {
+		wg.Go(func() {
+			afterRound := func() {}
+			if l == LoopAccount {
+				afterRound = sync.OnceFunc(func() { close(first) })
+			} else if !p.wait(ctx, l, first, nil) {
 				return
 			}
-			p.loop(ctx, l, intervals[l], func() {
-				if l == LoopAccount {
-					select {
-					case <-first:
-					default:
-						close(first)
-					}
-				}
-			})
-		}()
+			p.loop(ctx, l, intervals[l], afterRound)
+		})
 	}
 	wg.Wait()
 	return nil
 }
 
-// waitFirst waits for the account loop's first round, beating meanwhile:
-// a slow API at start must not look like a stuck loop.
-func (p *Poller) waitFirst(ctx context.Context, l Loop, first <-chan struct{}) bool {
-	hb := time.NewTicker(heartbeatEvery)
-	defer hb.Stop()
-	for {
-		p.beat(l)
-		select {
-		case <-first:
-			return true
-		case <-ctx.Done():
-			return false
-		case <-hb.C:
-		}
-	}
-}
-
 // heartbeatEvery is how often an idle loop shows it is alive.
 const heartbeatEvery = time.Second
 
-func (p *Poller) loop(ctx context.Context, l Loop, interval time.Duration, afterFirst func()) {
+func (p *Poller) loop(ctx context.Context, l Loop, interval time.Duration, afterRound func()) {
 	failures := 0
 	for {
 		err := p.PollOnce(ctx, l)
-		afterFirst()
+		afterRound()
 		if ctx.Err() != nil {
 			return
 		}
@@ -220,16 +197,20 @@ func (p *Poller) loop(ctx context.Context, l Loop, interval time.Duration, after
 			}
 			failures = 0
 		}
-		if !p.sleep(ctx, l, wait) {
+		t := time.NewTimer(wait)
+		woke := p.wait(ctx, l, p.kicks[l], t.C)
+		t.Stop()
+		if !woke {
 			return
 		}
 	}
 }
 
-// sleep waits d while beating the loop's heartbeat; false when ctx ended.
-func (p *Poller) sleep(ctx context.Context, l Loop, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
+// wait beats loop l's heartbeat until wake or timer fires (true) or ctx
+// ends (false): a loop waiting for its next round, or a slow API holding up
+// the account loop's first round, must not look stuck. A nil channel never
+// fires.
+func (p *Poller) wait(ctx context.Context, l Loop, wake <-chan struct{}, timer <-chan time.Time) bool {
 	hb := time.NewTicker(heartbeatEvery)
 	defer hb.Stop()
 	for {
@@ -237,9 +218,9 @@ func (p *Poller) sleep(ctx context.Context, l Loop, d time.Duration) bool {
 		select {
 		case <-ctx.Done():
 			return false
-		case <-t.C:
+		case <-wake:
 			return true
-		case <-p.kicks[l]:
+		case <-timer:
 			return true
 		case <-hb.C:
 		}
@@ -336,31 +317,20 @@ func (p *Poller) backoff(interval time.Duration, n int) time.Duration {
 
 // PollOnce runs one round of loop l.
 func (p *Poller) PollOnce(ctx context.Context, l Loop) error {
-	defer p.beat(l)
-	defer p.rounds[l%numLoops].Add(1)
-	switch l {
-	case LoopAccount:
-		return p.pollAccount(ctx)
-	case LoopLists:
-		return p.pollLists(ctx)
-	case LoopStatus:
-		return p.pollStatus(ctx)
-	case LoopUsage:
-		return p.pollUsage(ctx)
+	if l < 0 || l >= numLoops {
+		return fmt.Errorf("unknown loop %d", l)
 	}
-	return fmt.Errorf("unknown loop %d", l)
+	defer p.beat(l)
+	defer p.rounds[l].Add(1)
+	polls := [numLoops]func(context.Context) error{p.pollAccount, p.pollLists, p.pollStatus, p.pollUsage}
+	return polls[l](ctx)
 }
 
 // served returns the IDs of the services the other loops work on.
 func (p *Poller) served() []int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	ids := make([]int, 0, len(p.services))
-	for id := range p.services {
-		ids = append(ids, id)
-	}
-	slices.Sort(ids)
-	return ids
+	return slices.Sorted(maps.Keys(p.services))
 }
 
 func servable(status string) bool { return status == "Active" }
@@ -534,12 +504,13 @@ func (p *Poller) pollLists(ctx context.Context) error {
 		if st != nil {
 			accepted := true
 			for typ, entries := range lists {
-				if p.confirm(fmt.Sprintf("%d/%s", id, typ), len(entries)) {
+				key := fmt.Sprintf("%d/%s", id, typ)
+				if p.confirm(key, len(entries)) {
 					st.Lists[typ] = entries
 				} else {
 					accepted = false
 					p.log.Warn("IP list shrank; keeping the last good one until the next poll confirms it",
-						"service", id, "type", typ, "entries", len(entries), "last_good", p.lastGood[fmt.Sprintf("%d/%s", id, typ)])
+						"service", id, "type", typ, "entries", len(entries), "last_good", p.lastGood[key])
 				}
 			}
 			if stickyOK && kind == "ppr" {
@@ -724,12 +695,7 @@ var listProtocol = map[string]string{"http-auth": "http", "socks-ip": "socks5", 
 func (s *ServiceState) Upstreams() []UpstreamSpec {
 	kind := s.Record.ProductType
 	var out []UpstreamSpec
-	types := make([]string, 0, len(s.Lists))
-	for typ := range s.Lists {
-		types = append(types, typ)
-	}
-	slices.Sort(types)
-	for _, typ := range types {
+	for _, typ := range slices.Sorted(maps.Keys(s.Lists)) {
 		proto, ok := listProtocol[typ]
 		if !ok {
 			continue

@@ -42,6 +42,18 @@ func pollAll(t *testing.T, p *Poller) {
 	}
 }
 
+// waitUntil polls cond until it holds, failing the test after timeout.
+func waitUntil(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v: %s", timeout, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 func serviceByID(s Snapshot, id int) *ServiceState {
 	for i := range s.Services {
 		if s.Services[i].ID == id {
@@ -293,8 +305,11 @@ func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 	// Without a seed, an empty first list needs confirmation as well.
 	q, sim2, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}})
 	sim2.SetEntries(101, "http-auth", nil)
-	q.PollOnce(ctx, LoopAccount)
-	q.PollOnce(ctx, LoopLists)
+	for _, l := range []Loop{LoopAccount, LoopLists} {
+		if err := q.PollOnce(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if serviceByID(q.Snapshot(), 101).ListsKnown {
 		t.Fatal("an empty first list was taken without confirmation")
 	}
@@ -335,8 +350,14 @@ func TestPollerAliveDuringSlowAccountRound(t *testing.T) {
 		sim.ServeHTTP(w, r)
 	}))
 	defer srv.Close()
-	c, _ := New(Config{BaseURL: srv.URL, Token: "sim-token", Timeout: time.Second})
-	p, _ := NewPoller(c, PollConfig{Services: []int{101, 102, 104}}, nil, nil)
+	c, err := New(Config{BaseURL: srv.URL, Token: "sim-token", Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := NewPoller(c, PollConfig{Services: []int{101, 102, 104}}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); p.Run(ctx) }()
@@ -355,16 +376,22 @@ func TestPollerSetProtocolsFetchesNewLists(t *testing.T) {
 	done := make(chan struct{})
 	go func() { defer close(done); p.Run(ctx) }()
 	defer func() { cancel(); <-done }()
-	deadline := time.Now().Add(5 * time.Second)
-	for p.Rounds(LoopLists) == 0 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
+	waitUntil(t, 5*time.Second, "no lists round has run", func() bool { return p.Rounds(LoopLists) > 0 })
+	if st := serviceByID(p.Snapshot(), 101); st == nil || len(st.Lists["socks-ip"]) > 0 {
+		t.Fatalf("before SetProtocols: %+v, want service 101 without a socks-ip list", st)
 	}
 	p.SetProtocols([]string{"http", "socks5"})
-	for time.Now().Before(deadline) {
-		if st := serviceByID(p.Snapshot(), 101); st != nil && len(st.Lists["socks-ip"]) > 0 {
-			return
+	waitUntil(t, 5*time.Second, "the socks-ip list was not fetched after SetProtocols", func() bool {
+		st := serviceByID(p.Snapshot(), 101)
+		return st != nil && len(st.Lists["socks-ip"]) > 0
+	})
+}
+
+func TestPollOnceUnknownLoop(t *testing.T) {
+	p, _, _ := newPollerForTest(t, PollConfig{})
+	for _, l := range []Loop{-1, numLoops} {
+		if err := p.PollOnce(context.Background(), l); err == nil {
+			t.Errorf("PollOnce(%d) succeeded", l)
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
-	t.Fatal("the socks-ip list was not fetched after SetProtocols")
 }

@@ -184,16 +184,25 @@ func parseTime(b []byte) (time.Time, error) {
 type text string
 
 func (t *text) UnmarshalJSON(b []byte) error {
-	b = bytes.TrimSpace(b)
-	if len(b) > 0 && (b[0] == '{' || b[0] == '[') {
-		return badValue("string", b)
-	}
-	s, _, _, err := scalarString(b)
+	s, err := parseText(b)
 	if err != nil {
-		return badValue("string", b)
+		return err
 	}
 	*t = text(s)
 	return nil
+}
+
+// parseText decodes a JSON value as text does.
+func parseText(b []byte) (string, error) {
+	b = bytes.TrimSpace(b)
+	if len(b) > 0 && (b[0] == '{' || b[0] == '[') {
+		return "", badValue("string", b)
+	}
+	s, _, _, err := scalarString(b)
+	if err != nil {
+		return "", badValue("string", b)
+	}
+	return s, nil
 }
 
 // flag is a bool that also accepts 0/1 and their string forms.

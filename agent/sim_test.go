@@ -242,8 +242,7 @@ func TestSimOrder(t *testing.T) {
 func TestSimUpdateService(t *testing.T) {
 	ctx := context.Background()
 	now := simNow
-	sim, url := newSim(t, providersim.Config{Now: func() time.Time { return now }})
-	_ = sim
+	_, url := newSim(t, providersim.Config{Now: func() time.Time { return now }})
 	c := simClient(t, url, nil)
 
 	res, err := c.UpdateService(ctx, 101, ServiceUpdate{SetIP: "203.0.113.60", UpdateList: true, Password: "n3w p@ss:word"})
@@ -251,9 +250,9 @@ func TestSimUpdateService(t *testing.T) {
 	if err != nil || !reflect.DeepEqual(res, want) {
 		t.Fatalf("UpdateService = %v, %v", res, err)
 	}
-	svc, _ := c.Service(ctx, 101)
-	if svc.BindedIP != "203.0.113.60" || svc.Password != "n3w p@ss:word" {
-		t.Errorf("after update: %+v", svc)
+	svc, err := c.Service(ctx, 101)
+	if err != nil || svc.BindedIP != "203.0.113.60" || svc.Password != "n3w p@ss:word" {
+		t.Fatalf("after update: %+v, %v", svc, err)
 	}
 	l, err := c.IPList(ctx, 101, "http-auth", "txt")
 	if err != nil || len(l.Entries) != 3 || l.Entries[0].Password != "n3w p@ss:word" {
@@ -346,7 +345,6 @@ func TestSimIPListEveryLayout(t *testing.T) {
 		}
 	}
 	// Default world lists, and the errors of endpoint 16.
-	sim.SetLayout(providersim.Layout{})
 	_, url2 := newSim(t, providersim.Config{})
 	c2 := simClient(t, url2, nil)
 	l, err := c2.IPList(ctx, 101, "http-auth", "txt")

@@ -43,12 +43,7 @@ func ParseStickyList(body []byte) (*StickyList, error) {
 			return l, nil
 		}
 		// Records keyed by session id.
-		keys := make([]string, 0, len(obj))
-		for k := range obj {
-			keys = append(keys, k)
-		}
-		sortKeys(keys)
-		for _, k := range keys {
+		for _, k := range sortedKeys(obj) {
 			var rec map[string]json.RawMessage
 			if json.Unmarshal(obj[k], &rec) != nil {
 				return l, fmt.Errorf("parsing sticky sessions: %w", err)
@@ -94,43 +89,14 @@ func ParseStickyList(body []byte) (*StickyList, error) {
 // can be read wins; every other key goes to Extra.
 func sessionFromObject(obj map[string]json.RawMessage) (StickySession, bool) {
 	var s StickySession
-	keys := make([]string, 0, len(obj))
-	for k := range obj {
-		keys = append(keys, k)
-	}
-	sortKeys(keys) // duplicates resolve the same way every time
-	used := map[string]bool{}
-	setText := func(dst *string, syns []string) {
-		for _, syn := range syns {
-			for _, k := range keys {
-				var t text
-				if normKey(k) == syn && json.Unmarshal(obj[k], &t) == nil {
-					*dst, used[k] = string(t), true
-					return
-				}
-			}
-		}
-	}
-	setInt := func(dst *int, syns []string) {
-		for _, syn := range syns {
-			for _, k := range keys {
-				if normKey(k) != syn {
-					continue
-				}
-				if n, err := parseInt(obj[k]); err == nil {
-					*dst, used[k] = n, true
-					return
-				}
-			}
-		}
-	}
-	setText(&s.Server, serverKeys[:])
-	setText(&s.Session, sessionKeys[:])
-	setText(&s.ExitIP, exitIPKeys[:])
-	setInt(&s.Port, []string{"port"})
-	setInt(&s.TTL, ttlKeys[:])
-	for _, k := range keys {
-		if !used[k] {
+	r := newObjectReader(obj)
+	field(r, &s.Server, serverKeys[:], parseText)
+	field(r, &s.Session, sessionKeys[:], parseText)
+	field(r, &s.ExitIP, exitIPKeys[:], parseText)
+	field(r, &s.Port, []string{"port"}, parseInt)
+	field(r, &s.TTL, ttlKeys[:], parseInt)
+	for _, k := range r.keys {
+		if !r.used[k] {
 			if s.Extra == nil {
 				s.Extra = map[string]json.RawMessage{}
 			}
@@ -142,7 +108,40 @@ func sessionFromObject(obj map[string]json.RawMessage) (StickySession, bool) {
 			s.Server, s.Port = h, pt
 		}
 	}
-	return s, len(used) > 0
+	return s, len(r.used) > 0
+}
+
+// objectReader reads the fields of a decoded JSON object by synonyms.
+type objectReader struct {
+	obj  map[string]json.RawMessage
+	keys []string // sortedKeys(obj): duplicates resolve the same way every time
+	norm []string // normKey of each key
+	used map[string]bool
+}
+
+func newObjectReader(obj map[string]json.RawMessage) *objectReader {
+	r := &objectReader{obj: obj, keys: sortedKeys(obj), used: map[string]bool{}}
+	r.norm = make([]string, len(r.keys))
+	for i, k := range r.keys {
+		r.norm[i] = normKey(k)
+	}
+	return r
+}
+
+// field sets dst from the most preferred synonym whose value parse can
+// read, and marks that key used.
+func field[T any](r *objectReader, dst *T, syns []string, parse func([]byte) (T, error)) {
+	for _, syn := range syns {
+		for i, k := range r.keys {
+			if r.norm[i] != syn {
+				continue
+			}
+			if v, err := parse(r.obj[k]); err == nil {
+				*dst, r.used[k] = v, true
+				return
+			}
+		}
+	}
 }
 
 // findExitIP looks for an IP address under a known exit-IP key in a JSON
@@ -162,13 +161,8 @@ func findExitIP(body []byte) string {
 		for _, node := range level {
 			switch n := node.(type) {
 			case map[string]any:
-				keys := make([]string, 0, len(n))
-				for k := range n {
-					keys = append(keys, k)
-				}
-				sortKeys(keys)
 				best, bestRank := "", len(exitIPKeys)
-				for _, k := range keys {
+				for _, k := range sortedKeys(n) {
 					nk := normKey(k)
 					for r, ek := range exitIPKeys {
 						if nk != ek || r >= bestRank {

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"time"
 )
@@ -266,7 +267,24 @@ func (s *ServiceItem) UnmarshalJSON(b []byte) error {
 type ServiceUpdate struct {
 	SetIP      string // IPv4 address to bind
 	UpdateList bool   // request a new IP list (rate limited: ErrTooManyAttempts)
-	Password   string // new proxy password in plain text; the client base64-encodes it
+	Password   string // new proxy password in plain text; MarshalJSON base64-encodes it
+}
+
+// MarshalJSON writes the body the provider expects: string fields only,
+// update_list as "true" and the password base64-encoded. Client.Call sends
+// it as is, so a raw PUT builds the same body as UpdateService.
+func (u ServiceUpdate) MarshalJSON() ([]byte, error) {
+	body := map[string]string{}
+	if u.SetIP != "" {
+		body["setip"] = u.SetIP
+	}
+	if u.UpdateList {
+		body["update_list"] = "true"
+	}
+	if u.Password != "" {
+		body["password"] = base64.StdEncoding.EncodeToString([]byte(u.Password))
+	}
+	return json.Marshal(body)
 }
 
 // ServiceUpdateResult maps each performed action ("setip", "update_list",

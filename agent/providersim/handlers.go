@@ -2,12 +2,14 @@ package providersim
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/base64"
 	"encoding/json"
 	"io"
+	"maps"
 	"net/http"
 	"net/netip"
-	"sort"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -75,7 +77,7 @@ func (s *Sim) clients(w http.ResponseWriter, _ *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := []object{}
-	for _, id := range sortedKeys(s.w.clients) {
+	for _, id := range slices.Sorted(maps.Keys(s.w.clients)) {
 		c := s.w.clients[id]
 		out = append(out, object{{"id", c.id}, {"email", c.email}})
 	}
@@ -262,27 +264,22 @@ func (s *Sim) productList(orderBy string) []object {
 			ps = append(ps, p)
 		}
 	}
-	less := func(a, b *product) (bool, bool) { // less, decided
+	slices.SortFunc(ps, func(a, b *product) int {
 		ga, gb := s.w.groups[a.group], s.w.groups[b.group]
+		by := 0
 		switch orderBy {
 		case "productName":
-			return a.name < b.name, a.name != b.name
+			by = strings.Compare(a.name, b.name)
 		case "price":
-			return a.priceCents < b.priceCents, a.priceCents != b.priceCents
+			by = cmp.Compare(a.priceCents, b.priceCents)
 		case "groupId":
-			return ga.id < gb.id, ga.id != gb.id
+			by = cmp.Compare(ga.id, gb.id)
 		case "groupName":
-			return ga.name < gb.name, ga.name != gb.name
+			by = strings.Compare(ga.name, gb.name)
 		case "created_at":
-			return a.createdAt < b.createdAt, a.createdAt != b.createdAt
+			by = strings.Compare(a.createdAt, b.createdAt)
 		}
-		return false, false
-	}
-	sort.Slice(ps, func(i, j int) bool {
-		if l, decided := less(ps[i], ps[j]); decided {
-			return l
-		}
-		return ps[i].id < ps[j].id
+		return cmp.Or(by, cmp.Compare(a.id, b.id)) // ties by productId
 	})
 	out := []object{}
 	for _, p := range ps {
@@ -314,18 +311,29 @@ func (s *Sim) networkInactive(w http.ResponseWriter, r *http.Request) {
 func (s *Sim) networkStatus(w http.ResponseWriter, r *http.Request, list func(*service) []string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	id := pathID(r, "id")
-	if isOrphan(id) {
-		writeError(w, http.StatusBadRequest, msgClientNotFound)
-		return
-	}
-	sv := s.w.services[id]
+	sv := s.clientService(w, r, msgUnprocessableSpace)
 	if sv == nil {
-		writeError(w, http.StatusUnprocessableEntity, msgUnprocessableSpace)
 		return
 	}
 	out := append([]string{}, list(sv)...)
 	writeJSON(w, http.StatusOK, out)
+}
+
+// clientService returns the service of path parameter "id" for the
+// endpoints that check its client (8, 9 and 15): an orphan service is
+// answered 400 "ClientID not found", an unknown one 422 unknownMsg, and nil
+// returned. Called with s.mu held.
+func (s *Sim) clientService(w http.ResponseWriter, r *http.Request, unknownMsg string) *service {
+	id := pathID(r, "id")
+	if isOrphan(id) {
+		writeError(w, http.StatusBadRequest, msgClientNotFound)
+		return nil
+	}
+	sv := s.w.services[id]
+	if sv == nil {
+		writeError(w, http.StatusUnprocessableEntity, unknownMsg)
+	}
+	return sv
 }
 
 // 10. GET /api/billing/credit
@@ -340,7 +348,7 @@ func (s *Sim) invoices(w http.ResponseWriter, _ *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := []object{}
-	for _, id := range sortedKeys(s.w.invoices) {
+	for _, id := range slices.Sorted(maps.Keys(s.w.invoices)) {
 		out = append(out, encodeInvoice(s.w.invoices[id]))
 	}
 	writeJSON(w, http.StatusOK, out)
@@ -410,7 +418,7 @@ func (s *Sim) services(w http.ResponseWriter, _ *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := []object{}
-	for _, id := range sortedKeys(s.w.services) {
+	for _, id := range slices.Sorted(maps.Keys(s.w.services)) {
 		sv := s.w.services[id]
 		out = append(out, object{
 			{"service_id", integer(sv.id, sv.numsAsStrings)},
@@ -432,14 +440,8 @@ func (s *Sim) services(w http.ResponseWriter, _ *http.Request) {
 func (s *Sim) updateService(w http.ResponseWriter, r *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	id := pathID(r, "id")
-	if isOrphan(id) {
-		writeError(w, http.StatusBadRequest, msgClientNotFound)
-		return
-	}
-	sv := s.w.services[id]
+	sv := s.clientService(w, r, msgUnprocessable)
 	if sv == nil {
-		writeError(w, http.StatusUnprocessableEntity, msgUnprocessable)
 		return
 	}
 	fields, ok := readObject(r)
@@ -737,13 +739,4 @@ func boolField(raw json.RawMessage) (bool, bool) {
 func isIPv4(s string) bool {
 	a, err := netip.ParseAddr(s)
 	return err == nil && a.Is4()
-}
-
-func sortedKeys[V any](m map[int]V) []int {
-	keys := make([]int, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	sort.Ints(keys)
-	return keys
 }

@@ -179,11 +179,7 @@ func (p *Proxy) serveSOCKS(c net.Conn, br *bufio.Reader) {
 		return
 	}
 	c.SetDeadline(time.Time{})
-	if n := br.Buffered(); n > 0 {
-		b, _ := br.Peek(n)
-		up.Write(b)
-	}
-	pipe(c, up)
+	pipe(c, br, up)
 }
 
 func (p *Proxy) authorized(h http.Header) bool {
@@ -218,11 +214,7 @@ func (p *Proxy) serveHTTP(c net.Conn, br *bufio.Reader) {
 			}
 			defer up.Close()
 			io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n")
-			if n := br.Buffered(); n > 0 {
-				b, _ := br.Peek(n)
-				up.Write(b)
-			}
-			pipe(c, up)
+			pipe(c, br, up)
 			return
 		}
 		if !p.forward(c, req) {
@@ -268,17 +260,19 @@ func (p *Proxy) forward(c net.Conn, req *http.Request) bool {
 	return !resp.Close && !req.Close
 }
 
-func pipe(a, b net.Conn) {
+// pipe relays between the client c, read through br so that bytes it sent
+// after its request go first, and up, until both directions end.
+func pipe(c net.Conn, br *bufio.Reader, up net.Conn) {
 	done := make(chan struct{}, 2)
-	cp := func(dst, src net.Conn) {
+	cp := func(dst net.Conn, src io.Reader) {
 		io.Copy(dst, src)
 		if tc, ok := dst.(*net.TCPConn); ok {
 			tc.CloseWrite()
 		}
 		done <- struct{}{}
 	}
-	go cp(a, b)
-	go cp(b, a)
+	go cp(up, br)
+	go cp(c, up)
 	<-done
 	<-done
 }

@@ -39,6 +39,7 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -309,83 +310,64 @@ func (s *Sim) SetLayout(l Layout) {
 // SetEntries replaces the IP list of type typ ("http-auth", "http-ip",
 // "socks-ip", "ppr-http", "ppr-socks") of a service. Entries of http-ip and
 // socks-ip are served without credentials whatever they carry.
-func (s *Sim) SetEntries(service int, typ string, entries []Entry) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if sv := s.w.services[service]; sv != nil {
-		sv.lists[typ] = append([]Entry(nil), entries...)
-	}
+func (s *Sim) SetEntries(id int, typ string, entries []Entry) {
+	s.withService(id, func(sv *service) { sv.lists[typ] = slices.Clone(entries) })
 }
 
 // MarkErrored adds IPs to the networkstatus/errors list of a service.
-func (s *Sim) MarkErrored(service int, ips ...string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if sv := s.w.services[service]; sv != nil {
-		sv.errored = addUnique(sv.errored, ips)
-	}
+func (s *Sim) MarkErrored(id int, ips ...string) {
+	s.withService(id, func(sv *service) { sv.errored = addUnique(sv.errored, ips) })
 }
 
 // MarkInactive adds IPs to the networkstatus/inactive list of a service.
-func (s *Sim) MarkInactive(service int, ips ...string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if sv := s.w.services[service]; sv != nil {
-		sv.inactive = addUnique(sv.inactive, ips)
-	}
+func (s *Sim) MarkInactive(id int, ips ...string) {
+	s.withService(id, func(sv *service) { sv.inactive = addUnique(sv.inactive, ips) })
 }
 
 // ClearStatus empties both network status lists of a service.
-func (s *Sim) ClearStatus(service int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if sv := s.w.services[service]; sv != nil {
-		sv.errored, sv.inactive = nil, nil
-	}
+func (s *Sim) ClearStatus(id int) {
+	s.withService(id, func(sv *service) { sv.errored, sv.inactive = nil, nil })
 }
 
 // SetUsage sets what /api/rate answers for a service and today's entry of
 // /api/stats (when the service has stats).
-func (s *Sim) SetUsage(service int, rate, limit float64) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if sv := s.w.services[service]; sv != nil {
+func (s *Sim) SetUsage(id int, rate, limit float64) {
+	s.withService(id, func(sv *service) {
 		sv.usageRate, sv.usageLimit = rate, limit
 		if n := len(sv.stats); n > 0 {
 			sv.stats[n-1] = rate
 		}
-	}
+	})
 }
 
 // SetServiceStatus sets the status of a service (Active, Pending,
 // Suspended, Terminated, Cancelled, Fraud; other strings are served as
 // given).
-func (s *Sim) SetServiceStatus(service int, status string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if sv := s.w.services[service]; sv != nil {
-		sv.status = status
-	}
+func (s *Sim) SetServiceStatus(id int, status string) {
+	s.withService(id, func(sv *service) { sv.status = status })
 }
 
 // SetStickySessions replaces the sticky sessions of a service.
-func (s *Sim) SetStickySessions(service int, sessions []Session) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if sv := s.w.services[service]; sv != nil {
-		sv.sessions = append([]Session(nil), sessions...)
-	}
+func (s *Sim) SetStickySessions(id int, sessions []Session) {
+	s.withService(id, func(sv *service) { sv.sessions = slices.Clone(sessions) })
 }
 
 // Sessions returns a copy of the current sticky sessions of a service,
 // after any rotation, reset or TTL change.
-func (s *Sim) Sessions(service int) []Session {
+func (s *Sim) Sessions(id int) []Session {
+	var out []Session
+	s.withService(id, func(sv *service) { out = slices.Clone(sv.sessions) })
+	return out
+}
+
+// withService runs f on a service under the lock; nothing happens for a
+// service that does not exist.
+func (s *Sim) withService(id int, f func(*service)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if sv := s.w.services[service]; sv != nil {
-		return append([]Session(nil), sv.sessions...)
+	if sv := s.w.services[id]; sv != nil {
+		f(sv)
 	}
-	return nil
 }
 
 // FailNext makes the next n requests (any route, after authentication)
@@ -437,14 +419,7 @@ func (s *Sim) RotateHook(hook func(service int, server, session string) (status 
 
 func addUnique(list, add []string) []string {
 	for _, ip := range add {
-		found := false
-		for _, have := range list {
-			if have == ip {
-				found = true
-				break
-			}
-		}
-		if !found {
+		if !slices.Contains(list, ip) {
 			list = append(list, ip)
 		}
 	}
