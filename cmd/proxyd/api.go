@@ -76,14 +76,13 @@ func cmdAPI(ctx context.Context, args []string, io stdio) int {
 	if *timeout > 0 {
 		api.Timeout = duration(*timeout)
 	}
-	token, login, password, _, err := api.credential(io.getenv)
-	if *cfgPath == "" {
+	var token, login, password string
+	var err error
+	if *cfgPath != "" {
+		token, login, password, _, err = api.credential(io.getenv)
+	} else if token = strings.TrimSpace(io.getenv("PROXYD_API_TOKEN")); token == "" {
 		// A quick call without a file: only the environment counts.
-		token, login, password = strings.TrimSpace(io.getenv("PROXYD_API_TOKEN")), "", ""
-		err = nil
-		if token == "" {
-			err = errors.New("set PROXYD_API_TOKEN or use -config")
-		}
+		err = errors.New("set PROXYD_API_TOKEN or use -config")
 	}
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd api: %v\n", err)
@@ -96,17 +95,14 @@ func cmdAPI(ctx context.Context, args []string, io stdio) int {
 		return 1
 	}
 	c := &apiCommand{ctx: ctx, client: client, json: *asJSON, io: io}
-	code, err := c.run(fs.Args())
-	if err != nil {
-		var ue usageError
-		if errors.As(err, &ue) {
-			fmt.Fprintf(io.err, "proxyd api: %v\n", err)
+	if err := c.run(fs.Args()); err != nil {
+		fmt.Fprintf(io.err, "proxyd api: %v\n", err)
+		if errors.As(err, new(usageError)) {
 			return 2
 		}
-		fmt.Fprintf(io.err, "proxyd api: %v\n", err)
 		return 1
 	}
-	return code
+	return 0
 }
 
 type usageError struct{ msg string }
@@ -168,18 +164,19 @@ func idPositional(args []string, names []string, fs *flag.FlagSet) ([]string, in
 	return p, id, nil
 }
 
-func (c *apiCommand) run(args []string) (int, error) {
+// run runs one command; a usageError means exit 2, any other error exit 1.
+func (c *apiCommand) run(args []string) error {
 	cmd, rest := args[0], args[1:]
 	if cmd == "sticky" {
 		if len(rest) == 0 {
-			return 2, usagef("sticky needs list, rotate, ttl or reset")
+			return usagef("sticky needs list, rotate, ttl or reset")
 		}
 		cmd, rest = "sticky "+rest[0], rest[1:]
 	}
 	switch cmd {
 	case "clients":
 		if _, err := positional(rest, nil, nil); err != nil {
-			return 2, err
+			return err
 		}
 		return c.show(agent.RouteClients, nil, func() (table, error) {
 			v, err := c.client.Clients(c.ctx)
@@ -193,7 +190,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		fs := flag.NewFlagSet("products", flag.ContinueOnError)
 		orderBy := fs.String("orderby", "", "")
 		if _, err := positional(rest, nil, fs); err != nil {
-			return 2, err
+			return err
 		}
 		route, rargs := agent.RouteProducts, []string(nil)
 		if *orderBy != "" {
@@ -216,7 +213,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 	case "product":
 		p, pid, err := idPositional(rest, []string{"PID"}, nil)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		return c.show(agent.RouteProduct, p, func() (table, error) {
 			x, err := c.client.Product(c.ctx, pid)
@@ -246,10 +243,10 @@ func (c *apiCommand) run(args []string) (int, error) {
 		setip := fs.String("setip", "", "")
 		p, pid, err := idPositional(rest, []string{"PID"}, fs)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		if *client <= 0 {
-			return 2, usagef("order needs -client ID")
+			return usagef("order needs -client ID")
 		}
 		req := agent.OrderRequest{ClientID: *client, SetIP: *setip}
 		if c.json {
@@ -257,14 +254,14 @@ func (c *apiCommand) run(args []string) (int, error) {
 		}
 		res, err := c.client.Order(c.ctx, pid, req)
 		if err != nil {
-			return 1, err
+			return err
 		}
 		t := table{head: []string{"SERVICE", "ORDER", "INVOICE", "AMOUNT", "IP"}}
 		t.add(res.ServiceID, res.OrderID, res.InvoiceID, money(res.Amount), res.IP)
-		return 0, t.write(c.io.out)
+		return t.write(c.io.out)
 	case "services":
 		if _, err := positional(rest, nil, nil); err != nil {
-			return 2, err
+			return err
 		}
 		return c.show(agent.RouteServices, nil, func() (table, error) {
 			v, err := c.client.Services(c.ctx)
@@ -277,7 +274,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 	case "service":
 		p, id, err := idPositional(rest, []string{"ID"}, nil)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		return c.show(agent.RouteService, p, func() (table, error) {
 			x, err := c.client.Service(c.ctx, id)
@@ -308,19 +305,19 @@ func (c *apiCommand) run(args []string) (int, error) {
 		password := fs.String("password", "", "")
 		p, id, err := idPositional(rest, []string{"ID"}, fs)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		pw := *password
 		if pw == "-" {
 			line, err := bufio.NewReader(c.io.in).ReadString('\n')
 			if err != nil && line == "" {
-				return 2, usagef("reading the password from standard input: %v", err)
+				return usagef("reading the password from standard input: %v", err)
 			}
 			pw = strings.TrimRight(line, "\r\n")
 		}
 		upd := agent.ServiceUpdate{SetIP: *setip, UpdateList: *updateList, Password: pw}
 		if upd == (agent.ServiceUpdate{}) {
-			return 2, usagef("service-update needs -setip, -update-list or -password")
+			return usagef("service-update needs -setip, -update-list or -password")
 		}
 		if c.json {
 			body := map[string]string{}
@@ -337,7 +334,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		}
 		res, err := c.client.UpdateService(c.ctx, id, upd)
 		if err != nil {
-			return 1, err
+			return err
 		}
 		t := table{head: []string{"ACTION", "RESULT"}}
 		for _, k := range []string{"setip", "update_list", "password"} {
@@ -345,10 +342,10 @@ func (c *apiCommand) run(args []string) (int, error) {
 				t.add(k, v)
 			}
 		}
-		return 0, t.write(c.io.out)
+		return t.write(c.io.out)
 	case "credit":
 		if _, err := positional(rest, nil, nil); err != nil {
-			return 2, err
+			return err
 		}
 		return c.show(agent.RouteCredit, nil, func() (table, error) {
 			v, err := c.client.Credit(c.ctx)
@@ -356,35 +353,22 @@ func (c *apiCommand) run(args []string) (int, error) {
 			t.add(money(v))
 			return t, err
 		})
-	case "invoices", "invoice":
-		var p []string
-		var err error
-		route := agent.RouteInvoices
-		if cmd == "invoice" {
-			if p, err = positional(rest, []string{"ID"}, nil); err != nil {
-				return 2, err
-			}
-			if _, err := atoiArg("ID", p[0]); err != nil {
-				return 2, err
-			}
-			route = agent.RouteInvoice
-		} else if _, err := positional(rest, nil, nil); err != nil {
-			return 2, err
+	case "invoices":
+		if _, err := positional(rest, nil, nil); err != nil {
+			return err
 		}
-		return c.show(route, p, func() (table, error) {
-			var v []agent.Invoice
-			var err error
-			if cmd == "invoice" {
-				id, _ := strconv.Atoi(p[0])
-				v, err = c.client.Invoice(c.ctx, id)
-			} else {
-				v, err = c.client.Invoices(c.ctx)
-			}
-			t := table{head: []string{"ID", "STATUS", "AMOUNT", "CREATED", "PAID", "METHOD", "SERVICE", "DESCRIPTION"}}
-			for _, x := range v {
-				t.add(x.ID, x.Status, money(x.Amount), x.CreatedAt, x.DatePaid, x.PaymentMethod, x.ServiceID, x.Description)
-			}
-			return t, err
+		return c.show(agent.RouteInvoices, nil, func() (table, error) {
+			v, err := c.client.Invoices(c.ctx)
+			return invoiceTable(v), err
+		})
+	case "invoice":
+		p, id, err := idPositional(rest, []string{"ID"}, nil)
+		if err != nil {
+			return err
+		}
+		return c.show(agent.RouteInvoice, p, func() (table, error) {
+			v, err := c.client.Invoice(c.ctx, id)
+			return invoiceTable(v), err
 		})
 	case "iplist":
 		fs := flag.NewFlagSet("iplist", flag.ContinueOnError)
@@ -392,10 +376,10 @@ func (c *apiCommand) run(args []string) (int, error) {
 		format := fs.String("format", "", "")
 		p, id, err := idPositional(rest, []string{"ID"}, fs)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		if *typ == "" || *format == "" {
-			return 2, usagef("iplist needs -type TYPE and -format FORMAT")
+			return usagef("iplist needs -type TYPE and -format FORMAT")
 		}
 		if c.json {
 			// The list in the provider's own format, whatever it is.
@@ -403,43 +387,43 @@ func (c *apiCommand) run(args []string) (int, error) {
 		}
 		l, err := c.client.IPList(c.ctx, id, *typ, *format)
 		if err != nil {
-			return 1, err
+			return err
 		}
 		t := table{head: []string{"HOST", "PORT", "LOGIN", "PASSWORD"}}
 		for _, e := range l.Entries {
 			t.add(e.Host, e.Port, e.Login, e.Password)
 		}
 		if err := t.write(c.io.out); err != nil {
-			return 1, err
+			return err
 		}
 		if l.Bad > 0 {
 			fmt.Fprintf(c.io.err, "proxyd api: %d line(s) could not be read, first: %q\n", l.Bad, l.BadLines)
 		}
-		return 0, nil
+		return nil
 	case "netstatus":
 		p, id, err := idPositional(rest, []string{"ID"}, nil)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		if c.json {
 			errored, err := c.client.Call(c.ctx, http.MethodGet, agent.RouteNetworkErrors, p, nil)
 			if err != nil {
-				return 1, err
+				return err
 			}
 			inactive, err := c.client.Call(c.ctx, http.MethodGet, agent.RouteNetworkInactive, p, nil)
 			if err != nil {
-				return 1, err
+				return err
 			}
 			fmt.Fprintf(c.io.out, "{\"errors\":%s,\"inactive\":%s}\n", strings.TrimSpace(string(errored)), strings.TrimSpace(string(inactive)))
-			return 0, nil
+			return nil
 		}
 		errored, err := c.client.NetworkErrors(c.ctx, id)
 		if err != nil {
-			return 1, err
+			return err
 		}
 		inactive, err := c.client.NetworkInactive(c.ctx, id)
 		if err != nil {
-			return 1, err
+			return err
 		}
 		t := table{head: []string{"IP", "STATUS"}}
 		for _, ip := range errored {
@@ -448,11 +432,11 @@ func (c *apiCommand) run(args []string) (int, error) {
 		for _, ip := range inactive {
 			t.add(ip, "inactive")
 		}
-		return 0, t.write(c.io.out)
+		return t.write(c.io.out)
 	case "stats", "rate":
 		p, id, err := idPositional(rest, []string{"ID"}, nil)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		if cmd == "stats" {
 			return c.show(agent.RouteStats, p, func() (table, error) {
@@ -479,7 +463,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 	case "sticky list":
 		p, id, err := idPositional(rest, []string{"ID"}, nil)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		return c.show(agent.RouteStickyList, p, func() (table, error) {
 			l, err := c.client.StickyList(c.ctx, id)
@@ -495,7 +479,7 @@ func (c *apiCommand) run(args []string) (int, error) {
 		names := map[string][]string{"sticky rotate": {"ID", "SERVER", "SESSION"}, "sticky ttl": {"ID", "MINUTES"}, "sticky reset": {"ID"}}[cmd]
 		p, id, err := idPositional(rest, names, nil)
 		if err != nil {
-			return 2, err
+			return err
 		}
 		var res *agent.StickyResult
 		switch cmd {
@@ -504,18 +488,18 @@ func (c *apiCommand) run(args []string) (int, error) {
 		case "sticky ttl":
 			ttl, perr := atoiArg("MINUTES", p[1])
 			if perr != nil {
-				return 2, perr
+				return perr
 			}
 			res, err = c.client.StickyChangeTTL(c.ctx, id, ttl)
 		default:
 			res, err = c.client.StickyResetAll(c.ctx, id)
 		}
 		if err != nil {
-			return 1, err
+			return err
 		}
 		if c.json {
 			c.io.out.Write(ensureNewline(res.Raw))
-			return 0, nil
+			return nil
 		}
 		t := table{head: []string{"RESULT", "EXIT IP"}}
 		body := strings.TrimSpace(string(res.Raw))
@@ -523,30 +507,38 @@ func (c *apiCommand) run(args []string) (int, error) {
 			body = "(empty answer)"
 		}
 		t.add(body, res.ExitIP)
-		return 0, t.write(c.io.out)
+		return t.write(c.io.out)
 	}
-	return 2, usagef("unknown command %q (proxyd api -h lists them)", cmd)
+	return usagef("unknown command %q (proxyd api -h lists them)", cmd)
+}
+
+func invoiceTable(v []agent.Invoice) table {
+	t := table{head: []string{"ID", "STATUS", "AMOUNT", "CREATED", "PAID", "METHOD", "SERVICE", "DESCRIPTION"}}
+	for _, x := range v {
+		t.add(x.ID, x.Status, money(x.Amount), x.CreatedAt, x.DatePaid, x.PaymentMethod, x.ServiceID, x.Description)
+	}
+	return t
 }
 
 // show runs a read command: the raw JSON of route with -json, else the table.
-func (c *apiCommand) show(route string, args []string, tab func() (table, error)) (int, error) {
+func (c *apiCommand) show(route string, args []string, tab func() (table, error)) error {
 	if c.json {
 		return c.raw(http.MethodGet, route, args, nil)
 	}
 	t, err := tab()
 	if err != nil {
-		return 1, err
+		return err
 	}
-	return 0, t.write(c.io.out)
+	return t.write(c.io.out)
 }
 
-func (c *apiCommand) raw(method, route string, args []string, body any) (int, error) {
+func (c *apiCommand) raw(method, route string, args []string, body any) error {
 	b, err := c.client.Call(c.ctx, method, route, args, body)
 	if err != nil {
-		return 1, err
+		return err
 	}
 	c.io.out.Write(ensureNewline(b))
-	return 0, nil
+	return nil
 }
 
 func ensureNewline(b []byte) []byte {

@@ -41,9 +41,10 @@ func runAPI(t *testing.T, url string, stdin string, args ...string) (string, str
 	return out.String(), errb.String(), code
 }
 
+// golden compares got with testdata/<name>.golden (rewritten with -update).
 func golden(t *testing.T, name, got string) {
 	t.Helper()
-	path := filepath.Join("testdata", "api", name+".golden")
+	path := filepath.Join("testdata", name+".golden")
 	if *update {
 		os.MkdirAll(filepath.Dir(path), 0o755)
 		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
@@ -96,7 +97,7 @@ func TestAPICommandsGolden(t *testing.T) {
 			if code != 0 {
 				t.Fatalf("exit %d, stderr %q", code, errOut)
 			}
-			golden(t, c.name, out)
+			golden(t, "api/"+c.name, out)
 			if strings.Contains(out+errOut, simToken) {
 				t.Error("the token appears in the output")
 			}

@@ -13,20 +13,17 @@ func cmdCheck(args []string, io stdio) int {
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	cfg, err := loadConfig(*path)
+	cfg, err := loadValidConfig(*path)
 	var errs configErrors
-	if err != nil && !errors.As(err, &errs) {
-		fmt.Fprintf(io.err, "proxyd check: %v\n", err)
-		return 1
-	}
-	if err == nil {
-		errs = append(errs, wireProblems(&cfg)...)
-	}
-	if len(errs) > 0 {
+	switch {
+	case errors.As(err, &errs):
 		for _, e := range errs {
 			fmt.Fprintf(io.err, "%s: %v\n", *path, e)
 		}
 		fmt.Fprintf(io.err, "%d problem(s)\n", len(errs))
+		return 1
+	case err != nil:
+		fmt.Fprintf(io.err, "proxyd check: %v\n", err)
 		return 1
 	}
 	if _, _, _, _, err := cfg.API.credential(io.getenv); err != nil {

@@ -222,9 +222,18 @@ func loadConfig(path string) (config, error) {
 	if err != nil {
 		return config{}, fmt.Errorf("reading config: %w", err)
 	}
-	cfg, err := parseConfig(string(b))
+	return parseConfig(string(b))
+}
+
+// loadValidConfig is loadConfig followed by each package's own checks
+// (wireProblems): the config `run` and `check` accept.
+func loadValidConfig(path string) (config, error) {
+	cfg, err := loadConfig(path)
 	if err != nil {
 		return cfg, err
+	}
+	if errs := wireProblems(&cfg); len(errs) > 0 {
+		return cfg, errs
 	}
 	return cfg, nil
 }

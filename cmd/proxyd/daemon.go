@@ -39,13 +39,12 @@ type daemon struct {
 	applyMu   sync.Mutex          // serializes apply
 	status    map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
 	quota     map[int]bool        // quota by service, as last known (guarded by applyMu)
+	lastSaved string              // stateKey of the state file's content (guarded by applyMu)
 	mu        sync.Mutex
 	cfg       config
 	listeners map[string]*runningListener
 	admin     *adminServer
 	running   bool // listeners bound and not yet stopping; Reload needs it
-	lastSaved []byte
-	readyOnce sync.Once
 
 	ready   chan struct{} // closed once every listener accepts
 	stop    chan struct{} // closed by Close
@@ -120,7 +119,7 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 
 	d.pool, err = pool.New(poolConfig(cfg.Pool), pool.Options{
 		Logger: logger,
-		Prober: tcpProber{timeout: 10 * time.Second},
+		Prober: tcpProber{},
 		Hooks: pool.Hooks{
 			Failure: func(service int, r pool.Result) { d.metrics.UpstreamFailure(service, r.String()) },
 			Ejected: d.metrics.Ejection,
@@ -313,6 +312,18 @@ func (d *daemon) closeListeners() {
 // Reload swaps in a new config: listeners added, removed or changed without
 // touching the ones that stay the same. On error the old config stays.
 func (d *daemon) Reload(next config) error {
+	return d.reload(func() (config, error) { return next, nil })
+}
+
+// ReloadFile is SIGHUP: Reload of the config file at path. A file that
+// cannot be read or parsed is refused like an invalid config.
+func (d *daemon) ReloadFile(path string) error {
+	return d.reload(func() (config, error) { return loadConfig(path) })
+}
+
+// reload swaps in the config that load returns, between systemd's
+// RELOADING=1 and READY=1.
+func (d *daemon) reload(load func() (config, error)) error {
 	d.mu.Lock()
 	running := d.running
 	d.mu.Unlock()
@@ -321,9 +332,15 @@ func (d *daemon) Reload(next config) error {
 	}
 	d.notify.reloading()
 	defer d.notify.ready()
-	if errs := wireProblems(&next); len(errs) > 0 {
+	next, err := load()
+	if err == nil {
+		if errs := wireProblems(&next); len(errs) > 0 {
+			err = errs
+		}
+	}
+	if err != nil {
 		d.metrics.ConfigReloaded(false)
-		return errs
+		return err
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -543,8 +560,7 @@ func (d *daemon) apply(agent.Snapshot) {
 			dropped[u.Service] = true
 			continue
 		}
-		next = append(next, pool.Upstream{Service: u.Service, Kind: u.Kind, Protocol: u.Protocol, Address: u.Address,
-			Username: u.Username, Password: u.Password, Server: u.Server, Session: u.Session, ExitIP: u.ExitIP})
+		next = append(next, u)
 	}
 	if len(known) > 0 || len(dropped) > 0 {
 		d.pool.Update(next)
@@ -553,22 +569,21 @@ func (d *daemon) apply(agent.Snapshot) {
 	}
 	// Provider status and quota from the state file stay until the API
 	// speaks for the service again.
-	status, quota := d.status, d.quota
 	for id := range dropped {
-		delete(status, id)
-		delete(quota, id)
+		delete(d.status, id)
+		delete(d.quota, id)
 	}
 	var account metrics.Account
 	account.Credit, account.Known = s.Credit, s.CreditKnown
 	for _, st := range s.Services {
 		if st.StatusKnown {
 			d.pool.SetProviderStatus(st.ID, st.Errored, st.Inactive)
-			status[st.ID] = savedStatus{Errored: st.Errored, Inactive: st.Inactive}
+			d.status[st.ID] = savedStatus{Errored: st.Errored, Inactive: st.Inactive}
 		}
 		if st.HasUsage {
 			reached := st.Limit > 0 && st.Rate >= st.Limit
 			d.pool.SetQuota(st.ID, reached)
-			quota[st.ID] = reached
+			d.quota[st.ID] = reached
 			d.metrics.SetUsage(st.ID, st.Rate, st.Limit)
 		}
 		account.Services = append(account.Services, metrics.ServiceInfo{
@@ -584,7 +599,7 @@ func (d *daemon) apply(agent.Snapshot) {
 		}
 		d.metrics.SetServices(ids)
 	}
-	d.saveState(status, quota)
+	d.saveState()
 	// The state's age is that of the data served: the saved file's until
 	// the lists are fetched, then the last successful refresh, which makes
 	// it fresh even when nothing changed.
@@ -612,9 +627,11 @@ func (d *daemon) logPoolChange(prev, next []pool.Upstream) {
 	}
 }
 
-func (d *daemon) saveState(status map[int]savedStatus, quota map[int]bool) {
+// saveState writes the pool and the provider's last word to the state file
+// when they changed; d.applyMu is held.
+func (d *daemon) saveState() {
 	ups := d.pool.Upstreams()
-	st := &savedState{Version: stateVersion, Status: status, Quota: quota}
+	st := &savedState{Version: stateVersion, Status: d.status, Quota: d.quota}
 	for _, u := range ups {
 		st.Upstreams = append(st.Upstreams, savedUpstream{
 			Service: u.Service, Kind: string(u.Kind), Protocol: string(u.Protocol), Address: u.Address,
@@ -626,10 +643,7 @@ func (d *daemon) saveState(status map[int]savedStatus, quota map[int]bool) {
 			cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Session, b.Session))
 	})
 	key := stateKey(st)
-	d.mu.Lock()
-	same := string(d.lastSaved) == key
-	d.mu.Unlock()
-	if same {
+	if key == d.lastSaved {
 		return
 	}
 	st.Saved = time.Now().UTC()
@@ -637,9 +651,7 @@ func (d *daemon) saveState(status map[int]savedStatus, quota map[int]bool) {
 		d.log.Warn("saving pool state", "err", err)
 		return
 	}
-	d.mu.Lock()
-	d.lastSaved = []byte(key)
-	d.mu.Unlock()
+	d.lastSaved = key
 }
 
 // stateKey is a state's content without its time: what decides whether a
@@ -669,17 +681,13 @@ func (d *daemon) loadState() {
 	d.pool.Update(ups)
 	for id, s := range st.Status {
 		d.pool.SetProviderStatus(id, s.Errored, s.Inactive)
-	}
-	for id, q := range st.Quota {
-		d.pool.SetQuota(id, q)
-	}
-	d.lastSaved = []byte(stateKey(st))
-	for id, s := range st.Status {
 		d.status[id] = s
 	}
 	for id, q := range st.Quota {
+		d.pool.SetQuota(id, q)
 		d.quota[id] = q
 	}
+	d.lastSaved = stateKey(st)
 	d.poller.Seed(seedSizes(st))
 	d.metrics.SetStateTime(st.Saved)
 	d.metrics.PoolUpdated(st.Saved)
@@ -689,23 +697,26 @@ func (d *daemon) loadState() {
 // seedSizes are the list sizes the saved pool was built from, for the
 // poller's shrink confirmation after a restart.
 func seedSizes(st *savedState) map[string]int {
+	listType := map[string]string{"fpr/http": "http-auth", "fpr/socks5": "socks-ip", "ppr/http": "ppr-http", "ppr/socks5": "ppr-socks"}
+	type session struct {
+		service int
+		id      string
+	}
 	sizes := map[string]int{}
 	services := map[int]bool{}
-	sessions := map[string]bool{}
+	sessions := map[session]bool{} // a session is one upstream per protocol
 	for _, u := range st.Upstreams {
 		services[u.Service] = true
 		if u.Session != "" {
-			sessions[fmt.Sprintf("%d/%s", u.Service, u.Session)] = true
+			sessions[session{u.Service, u.Session}] = true
 			continue
 		}
-		typ := map[string]string{"fpr/http": "http-auth", "fpr/socks5": "socks-ip", "ppr/http": "ppr-http", "ppr/socks5": "ppr-socks"}[u.Kind+"/"+u.Protocol]
-		if typ != "" {
+		if typ := listType[u.Kind+"/"+u.Protocol]; typ != "" {
 			sizes[fmt.Sprintf("%d/%s", u.Service, typ)]++
 		}
 	}
-	for k := range sessions {
-		id, _, _ := strings.Cut(k, "/")
-		sizes[id+"/sticky"]++
+	for s := range sessions {
+		sizes[fmt.Sprintf("%d/sticky", s.service)]++
 	}
 	sizes["services"] = len(services)
 	return sizes

@@ -84,10 +84,11 @@ func (a *acceptor) run() {
 		backoff = 0
 		for {
 			h := a.current()
-			if h == nil || h.deliver(c) {
+			if h != nil && h.deliver(c) {
 				break
 			}
-			// h was replaced while we held c: give it to the new one.
+			// If h was replaced while we held c, give c to the new one;
+			// if it was closed (or none is attached yet), nobody serves c.
 			if a.current() == h {
 				c.Close()
 				break

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"time"
 
@@ -30,23 +31,23 @@ func cmdPool(ctx context.Context, args []string, io stdio) int {
 	if *token == "" {
 		*token = io.getenv("PROXYD_ADMIN_TOKEN")
 	}
-	url := *admin
-	if !strings.Contains(url, "://") {
-		url = "http://" + url
+	target := *admin
+	if !strings.Contains(target, "://") {
+		target = "http://" + target
 	}
-	url += "/pool"
-	var q []string
+	target += "/pool"
+	q := url.Values{}
 	for k, v := range map[string]string{"service": *service, "state": *state, "listener": *listener} {
 		if v != "" {
-			q = append(q, k+"="+v)
+			q.Set(k, v)
 		}
 	}
 	if len(q) > 0 {
-		url += "?" + strings.Join(q, "&")
+		target += "?" + q.Encode()
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd pool: %v\n", err)
 		return 2

@@ -18,12 +18,7 @@ func cmdRun(ctx context.Context, args []string, io stdio) int {
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	cfg, err := loadConfig(*path)
-	if err == nil {
-		if errs := wireProblems(&cfg); len(errs) > 0 {
-			err = errs
-		}
-	}
+	cfg, err := loadValidConfig(*path)
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd: %s:\n%v\n", *path, err)
 		return 1
@@ -52,15 +47,7 @@ func cmdRun(ctx context.Context, args []string, io stdio) int {
 			if runCtx.Err() != nil { // SIGTERM and SIGHUP together: stopping wins
 				return
 			}
-			next, err := loadConfig(*path)
-			if err != nil {
-				logger.Error("reload refused; keeping the running config", "config", *path, "err", err)
-				d.notify.reloading()
-				d.metrics.ConfigReloaded(false)
-				d.notify.ready()
-				continue
-			}
-			if err := d.Reload(next); err != nil {
+			if err := d.ReloadFile(*path); err != nil {
 				logger.Error("reload refused; keeping the running config", "config", *path, "err", err)
 			}
 		}

@@ -47,26 +47,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func needTool(t *testing.T, name string) string {
-	t.Helper()
-	p, err := exec.LookPath(name)
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("%s is required under CI=true", name)
-		}
-		t.Skipf("%s not installed", name)
-	}
-	return p
-}
-
 func TestSystemdUnit(t *testing.T) {
-	// The issue asks for these checks where systemd-analyze exists; it is
-	// part of systemd, not something the test command installs.
-	analyze, err := exec.LookPath("systemd-analyze")
-	if err != nil {
-		t.Skip("systemd-analyze not installed")
-	}
-	bin := proxydBinary(t)
 	unit, err := os.ReadFile(filepath.Join("..", "..", "systemd", "proxyd.service"))
 	if err != nil {
 		t.Fatal(err)
@@ -88,6 +69,13 @@ func TestSystemdUnit(t *testing.T) {
 			t.Errorf("unit lacks %q", strings.TrimSpace(want))
 		}
 	}
+	// The issue asks for these checks where systemd-analyze exists; it is
+	// part of systemd, not something the test command installs.
+	analyze, err := exec.LookPath("systemd-analyze")
+	if err != nil {
+		t.Skip("systemd-analyze not installed: the unit's lines were checked, not its verification and exposure")
+	}
+	bin := proxydBinary(t)
 	dir := t.TempDir()
 	copyPath := filepath.Join(dir, "proxyd.service")
 	if err := os.WriteFile(copyPath, []byte(strings.ReplaceAll(text, "/usr/local/bin/proxyd", bin)), 0o644); err != nil {

@@ -1,14 +1,15 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
-	"time"
 
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/forward"
@@ -34,14 +35,14 @@ func poolConfig(c poolSection) pool.Config {
 	}
 }
 
+// upstream is how the listener's upstreams are dialed: its own protocol
+// unless set.
+func (l listenerConfig) upstream() string { return cmp.Or(l.Upstream, l.Protocol) }
+
 func listenerSlices(ls []listenerConfig) []pool.ListenerSlice {
 	out := make([]pool.ListenerSlice, len(ls))
 	for i, l := range ls {
-		up := l.Upstream
-		if up == "" {
-			up = l.Protocol
-		}
-		out[i] = pool.ListenerSlice{Name: l.Name, Services: l.Services, Kind: pool.Kind(l.Kind), Protocol: pool.Protocol(up)}
+		out[i] = pool.ListenerSlice{Name: l.Name, Services: l.Services, Kind: pool.Kind(l.Kind), Protocol: pool.Protocol(l.upstream())}
 	}
 	return out
 }
@@ -99,14 +100,8 @@ func pollConfig(c config) agent.PollConfig {
 		Jitter:        c.Poll.Jitter,
 		MaxBackoff:    c.Poll.MaxBackoff.D(),
 	}
-	seen := map[string]bool{}
 	for _, l := range c.Listener {
-		up := l.Upstream
-		if up == "" {
-			up = l.Protocol
-		}
-		if !seen[up] {
-			seen[up] = true
+		if up := l.upstream(); !slices.Contains(pc.Protocols, up) {
 			pc.Protocols = append(pc.Protocols, up)
 		}
 	}
@@ -161,12 +156,11 @@ func logLevel(s string) slog.Level {
 
 // tcpProber is the active probe of ejected upstreams: a TCP connect and, for
 // SOCKS5, the method greeting. It reaches no destination, so probing costs
-// the provider's pool nothing but a connection.
-type tcpProber struct{ timeout time.Duration }
+// the provider's pool nothing but a connection. Its bound is ctx's deadline,
+// which the pool sets (pool.Config.ProbeTimeout).
+type tcpProber struct{}
 
-func (p tcpProber) Probe(ctx context.Context, u *pool.Upstream) pool.Result {
-	ctx, cancel := context.WithTimeout(ctx, p.timeout)
-	defer cancel()
+func (tcpProber) Probe(ctx context.Context, u *pool.Upstream) pool.Result {
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "tcp", u.Address)
 	if err != nil {
