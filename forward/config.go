@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"strings"
 	"time"
 )
 
@@ -130,7 +131,7 @@ func (c Config) Validate() error {
 		if len(u.Name) > 255 || len(u.Password) > 255 {
 			return fmt.Errorf("users[%d]: name and password must be at most 255 bytes (RFC 1929)", i)
 		}
-		if containsAny(u.Name, ":\x00") {
+		if strings.ContainsAny(u.Name, ":\x00") {
 			return fmt.Errorf("users[%d].name: must not contain ':' or NUL", i)
 		}
 		for j := range i {
@@ -154,29 +155,18 @@ func (c Config) Validate() error {
 	if c.MaxConns < 0 {
 		return errors.New("max_conns: negative")
 	}
-	if !isLoopbackHost(host) && len(c.Users) == 0 && len(c.Allow) == 0 {
+	if !IsLoopbackHost(host) && len(c.Users) == 0 && len(c.Allow) == 0 {
 		return fmt.Errorf("address: %q is not loopback; set users or allow (a client allow-list)", c.Address)
 	}
 	return nil
 }
 
-// isLoopbackHost reports whether a listen host binds only to loopback.
+// IsLoopbackHost reports whether a listen host binds only to loopback.
 // An empty host binds to every address and is not loopback.
-func isLoopbackHost(host string) bool {
+func IsLoopbackHost(host string) bool {
 	if host == "localhost" {
 		return true
 	}
 	a, err := netip.ParseAddr(host)
 	return err == nil && a.Unmap().IsLoopback()
-}
-
-func containsAny(s, chars string) bool {
-	for i := 0; i < len(s); i++ {
-		for j := 0; j < len(chars); j++ {
-			if s[i] == chars[j] {
-				return true
-			}
-		}
-	}
-	return false
 }

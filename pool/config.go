@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 )
 
@@ -146,6 +147,18 @@ type ListenerSlice struct {
 	Services []int    // services feeding the listener; empty = all
 	Kind     Kind     // FPR, PPR or "" for both
 	Protocol Protocol // how its upstreams are dialed; "" = either
+}
+
+// Covers reports whether an upstream of this service, kind and protocol
+// belongs to the slice.
+func (s *ListenerSlice) Covers(service int, kind Kind, protocol Protocol) bool {
+	if s.Kind != "" && kind != s.Kind {
+		return false
+	}
+	if s.Protocol != "" && protocol != s.Protocol {
+		return false
+	}
+	return len(s.Services) == 0 || slices.Contains(s.Services, service)
 }
 
 // Rotator asks the provider for a new exit IP of a ppr sticky session

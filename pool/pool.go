@@ -71,15 +71,7 @@ type slice struct {
 	_        [56]byte
 }
 
-func (sl *slice) matches(u *Upstream) bool {
-	if sl.Kind != "" && u.Kind != sl.Kind {
-		return false
-	}
-	if sl.Protocol != "" && u.Protocol != sl.Protocol {
-		return false
-	}
-	return len(sl.Services) == 0 || slices.Contains(sl.Services, u.Service)
-}
+func (sl *slice) matches(u *Upstream) bool { return sl.Covers(u.Service, u.Kind, u.Protocol) }
 
 // New returns an empty pool; feed it with SetListeners and Update.
 func New(cfg Config, opts Options) (*Pool, error) {

@@ -152,7 +152,7 @@ func (d *daemon) servePool(w http.ResponseWriter, r *http.Request) {
 			http.Error(w, "unknown listener", http.StatusNotFound)
 			return
 		}
-		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return !inSlice(slice, u) })
+		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return !slice.Covers(u.Service, u.Kind, u.Protocol) })
 		ex.Listeners = slices.DeleteFunc(ex.Listeners, func(l pool.ListenerExplanation) bool { return l.Name != name })
 	}
 	if ex.Upstreams == nil {
@@ -165,17 +165,4 @@ func (d *daemon) servePool(w http.ResponseWriter, r *http.Request) {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	enc.Encode(ex)
-}
-
-func inSlice(s *pool.ListenerSlice, u pool.UpstreamExplanation) bool {
-	if len(s.Services) > 0 && !slices.Contains(s.Services, u.Service) {
-		return false
-	}
-	if s.Kind != "" && s.Kind != u.Kind {
-		return false
-	}
-	if s.Protocol != "" && s.Protocol != u.Protocol {
-		return false
-	}
-	return true
 }

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/BurntSushi/toml"
+
+	"github.com/proxyd/proxyd/forward"
 )
 
 // config is the file format of DESIGN.md §4. Each section maps onto the
@@ -298,7 +300,7 @@ func (c *config) validate() configErrors {
 		host, _, err := net.SplitHostPort(c.Admin.Address)
 		if err != nil {
 			fail("admin.address", "must be host:port: %v", err)
-		} else if !isLoopbackHost(host) && c.Admin.Token == "" && c.Admin.TokenFile == "" {
+		} else if !forward.IsLoopbackHost(host) && c.Admin.Token == "" && c.Admin.TokenFile == "" {
 			fail("admin.address", "%s is not a loopback address: set admin.token or admin.token_file", c.Admin.Address)
 		}
 	}
@@ -354,7 +356,7 @@ func (c *config) validateListeners() configErrors {
 				fail(p+".address", "%s is already the address of listener[%d]", l.Address, j)
 			}
 			addrs[l.Address] = i
-			if !isLoopbackHost(host) && len(l.User) == 0 && len(l.Allow) == 0 {
+			if !forward.IsLoopbackHost(host) && len(l.User) == 0 && len(l.Allow) == 0 {
 				fail(p+".address", "%s is not a loopback address: configure [[listener.user]] or allow", l.Address)
 			}
 		}
@@ -422,14 +424,6 @@ func parsePrefix(s string) (netip.Prefix, error) {
 		return netip.Prefix{}, fmt.Errorf("invalid address or network %q", s)
 	}
 	return netip.PrefixFrom(a, a.BitLen()), nil
-}
-
-func isLoopbackHost(host string) bool {
-	if host == "localhost" {
-		return true
-	}
-	a, err := netip.ParseAddr(host)
-	return err == nil && a.IsLoopback()
 }
 
 // apiCredential resolves the API credential by the precedence of DESIGN.md
