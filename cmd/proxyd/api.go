@@ -3,7 +3,6 @@ package main
 import (
 	"bufio"
 	"context"
-	"encoding/base64"
 	"errors"
 	"flag"
 	"fmt"
@@ -320,17 +319,7 @@ func (c *apiCommand) run(args []string) error {
 			return usagef("service-update needs -setip, -update-list or -password")
 		}
 		if c.json {
-			body := map[string]string{}
-			if upd.SetIP != "" {
-				body["setip"] = upd.SetIP
-			}
-			if upd.UpdateList {
-				body["update_list"] = "true"
-			}
-			if upd.Password != "" {
-				body["password"] = base64.StdEncoding.EncodeToString([]byte(upd.Password))
-			}
-			return c.raw(http.MethodPut, agent.RouteService, p, body)
+			return c.raw(http.MethodPut, agent.RouteService, p, upd) // the body UpdateService sends
 		}
 		res, err := c.client.UpdateService(c.ctx, id, upd)
 		if err != nil {

@@ -121,6 +121,12 @@ func TestAPIInvoiceAndJSON(t *testing.T) {
 	if code != 0 || !strings.Contains(out, ":") {
 		t.Fatalf("-json iplist gives the list as served: %q", out)
 	}
+	// -json service-update sends the body UpdateService sends.
+	out, _, code = runAPI(t, url, "n3w-pass\n", "-json", "service-update", "101", "-setip", "192.0.2.77", "-password", "-")
+	var upd map[string]any
+	if err := json.Unmarshal([]byte(out), &upd); code != 0 || err != nil || upd["setip"] == nil || upd["password"] == nil {
+		t.Fatalf("-json service-update: exit %d, %q", code, out)
+	}
 	out, _, code = runAPI(t, url, "", "invoices")
 	if code != 0 {
 		t.Fatal(out)
