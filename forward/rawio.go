@@ -117,6 +117,23 @@ func (r *rawIO) opError(op string, errno syscall.Errno) error {
 	return &net.OpError{Op: op, Net: "tcp", Source: r.laddr, Addr: r.raddr, Err: os.NewSyscallError(op, errno)}
 }
 
+// socketOf returns c's socket when c is a TCP connection whose reads and
+// writes go straight to it (not a wrapper holding bytes of its own).
+func socketOf(c net.Conn) syscall.RawConn {
+	if rc, ok := c.(*rawConn); ok {
+		c = rc.Conn
+	}
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return nil
+	}
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
+}
+
 // rawConn is a net.Conn whose reads and writes go through rawIO.
 type rawConn struct {
 	net.Conn

@@ -61,13 +61,15 @@ const loopbackSendBuf = 256 << 10
 
 // tunnel relays bytes between a client and an upstream connection.
 type tunnel struct {
-	large     *atomic.Int64 // the listener's large buffers in use
+	large     *atomic.Int64 // the listener's large buffers and pipes in use
+	pipes     *pipeCache
 	idle      time.Duration
 	lastSeen  atomic.Int64 // unix nanoseconds of the last byte moved either way
 	once      sync.Once
 	a, b      net.Conn
 	up, down  int64        // bytes each way, written by their pump
 	remaining atomic.Int32 // pumps still running
+	spliced   atomic.Int64 // bytes moved without copying them through proxyd
 }
 
 // relay copies between the client and the upstream in two goroutines the
@@ -78,7 +80,7 @@ func (l *Listener) relay(cc *clientConn, upstream net.Conn, done func()) {
 	if tc, ok := cc.Conn.(*net.TCPConn); ok && cc.local {
 		_ = tc.SetWriteBuffer(loopbackSendBuf)
 	}
-	t := &tunnel{idle: l.cfg.IdleTimeout, a: cc.Conn, b: upstream, large: &l.largeBufs}
+	t := &tunnel{idle: l.cfg.IdleTimeout, a: cc.Conn, b: upstream, large: &l.largeBufs, pipes: &l.pipes}
 	t.lastSeen.Store(time.Now().UnixNano())
 	t.remaining.Store(2)
 	finish := func() {
@@ -116,9 +118,10 @@ type closeWriter interface{ CloseWrite() error }
 // inside src's read-readiness wait: a read that returns data goes straight
 // to dst, so while data keeps coming the direction moves it read after read
 // without parking; the first read that would block gives the buffer back to
-// its pool before parking, so an idle direction holds no buffer. A src
-// without a raw socket (a wrapper) is read through a pooled buffer under a
-// read deadline.
+// its pool before parking, so an idle direction holds no buffer. While a
+// backlog lasts between two TCP sockets, the direction splices instead
+// (splice_linux.go). A src without a raw socket (a wrapper) is read through a
+// pooled buffer under a read deadline.
 func (t *tunnel) pump(dst, src net.Conn) int64 {
 	var rc syscall.RawConn
 	if sc, ok := src.(syscall.Conn); ok {
@@ -139,6 +142,17 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 			t.putBuf(bp)
 		}
 	}()
+	armRead := func() {
+		if now := time.Now(); now.Sub(lastDeadline) > time.Second {
+			_ = src.SetReadDeadline(now.Add(t.idle))
+			lastDeadline = now
+		}
+	}
+	spliceFrom, spliceTo := socketOf(src), socketOf(dst)
+	var out io.Writer = dst
+	if spliceTo != nil {
+		out = &rawIO{rc: spliceTo, laddr: dst.LocalAddr(), raddr: dst.RemoteAddr()}
+	}
 	fill := func(fd uintptr) bool {
 		if bp == nil {
 			bp = relayBufs.Get().(*[]byte)
@@ -156,11 +170,7 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 		return true
 	}
 	for {
-		now := time.Now()
-		if now.Sub(lastDeadline) > time.Second {
-			_ = src.SetReadDeadline(now.Add(t.idle))
-			lastDeadline = now
-		}
+		armRead()
 		r, rerr = 0, nil
 		err := rc.Read(fill)
 		if err == nil && rerr != nil {
@@ -181,18 +191,52 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 			t.closeBoth()
 			return n
 		}
-		w, err := dst.Write((*bp)[:r])
+		w, err := out.Write((*bp)[:r])
 		n += int64(w)
 		if err != nil {
 			t.closeBoth()
 			return n
 		}
-		t.lastSeen.Store(time.Now().UnixNano())
-		if r == len(*bp) && r < relayLargeBufSize {
+		t.touch()
+		switch {
+		case r < len(*bp):
+		case r < relayLargeBufSize:
 			bp = t.grow(bp)
+		case spliceFrom != nil && spliceTo != nil:
+			// More than a large buffer was waiting: a backlog.
+			p := t.pipes.get()
+			if p == nil {
+				spliceFrom = nil // no pipes to be had: copy from now on
+				break
+			}
+			relayLargeBufs.Put(bp) // the direction's large-buffer ration passes to the pipe
+			bp = nil
+			moved, res := t.splice(spliceTo, spliceFrom, p, armRead)
+			n += moved
+			t.pipes.put(p)
+			t.large.Add(-1)
+			switch res {
+			case spliceEOF:
+				t.halfClose(dst)
+				return n
+			case spliceFailed:
+				t.closeBoth()
+				return n
+			}
 		}
 	}
 }
+
+// spliceResult says why a direction stopped splicing.
+type spliceResult int
+
+const (
+	spliceCaughtUp spliceResult = iota // the backlog is gone: copy again
+	spliceEOF                          // src sent its last byte
+	spliceFailed                       // a read or write failed: close the tunnel
+)
+
+func (t *tunnel) touch() { t.lastSeen.Store(time.Now().UnixNano()) }
 
 // halfClose passes an EOF on to dst. When the other direction is already
 // over, the close that follows says it: one shutdown call fewer per tunnel.
@@ -218,7 +262,7 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 		_ = src.SetReadDeadline(time.Now().Add(t.idle))
 		r, err := src.Read(buf)
 		if r > 0 {
-			t.lastSeen.Store(time.Now().UnixNano())
+			t.touch()
 			w, werr := dst.Write(buf[:r])
 			n += int64(w)
 			if werr != nil {

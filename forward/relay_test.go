@@ -1,6 +1,8 @@
 package forward
 
 import (
+	"bytes"
+	"io"
 	"net"
 	"os"
 	"strconv"
@@ -8,6 +10,9 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Large relay buffers are rationed per listener and every one taken is
@@ -109,4 +114,96 @@ func TestLocalClientSocketOptions(t *testing.T) {
 	if upKeepAlive != 1 || idle != 30 {
 		t.Errorf("upstream connection: SO_KEEPALIVE %d, TCP_KEEPIDLE %d; want 1, 30", upKeepAlive, idle)
 	}
+}
+
+// A backlog between two TCP sockets is spliced, byte for byte, and the pipe
+// goes back to the listener's cache as soon as the backlog is gone, while
+// the tunnel stays open: an idle direction holds no pipe.
+func TestRelaySplicesBacklog(t *testing.T) {
+	checkLeaks(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	// proxyd's side of the upstream connection gets a receive window large
+	// enough to queue the whole first burst before the pump starts.
+	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		return c.Control(func(fd uintptr) {
+			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 8<<20)
+		})
+	}}
+	src, err := d.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	origin, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst, client := tcpPair(t)
+
+	const burst = 6 << 20
+	data := make([]byte, 2*burst)
+	for i := range data {
+		data[i] = byte(i*7 + i>>11)
+	}
+	if _, err := origin.Write(data[:burst]); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, func() bool { return queued(t, src) == burst }, "the burst queued at proxyd's side")
+
+	var large atomic.Int64
+	pipes := &pipeCache{}
+	defer pipes.close()
+	tu := &tunnel{idle: time.Minute, a: dst, b: src, large: &large, pipes: pipes}
+	tu.remaining.Store(2)
+	pumped := make(chan int64, 1)
+	go func() { pumped <- tu.pump(dst, src) }()
+
+	got := make([]byte, len(data))
+	if _, err := io.ReadFull(client, got[:burst]); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, func() bool {
+		pipes.mu.Lock()
+		defer pipes.mu.Unlock()
+		return len(pipes.free) == 1
+	}, "the pipe back in the cache while the tunnel is idle")
+	if s := tu.spliced.Load(); s < burst/2 {
+		t.Fatalf("%d of the %d queued bytes spliced", s, burst)
+	}
+	if large.Load() != 0 {
+		t.Fatalf("%d large buffers or pipes still rationed to an idle direction", large.Load())
+	}
+
+	if _, err := origin.Write(data[burst:]); err != nil {
+		t.Fatal(err)
+	}
+	_ = origin.Close()
+	if _, err := io.ReadFull(client, got[burst:]); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, data) {
+		t.Fatal("the bytes arrived changed")
+	}
+	if n := <-pumped; n != int64(len(data)) {
+		t.Fatalf("pump counted %d bytes, want %d", n, len(data))
+	}
+	// The EOF was passed on.
+	if n, err := client.Read(got[:1]); n != 0 || err != io.EOF {
+		t.Fatalf("after the last byte: %d, %v; want EOF", n, err)
+	}
+	_ = src.Close()
+}
+
+// queued returns the bytes waiting in c's receive queue.
+func queued(t *testing.T, c net.Conn) int {
+	rc, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	_ = rc.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+	return n
 }
