@@ -151,5 +151,14 @@ func withRawIO(c net.Conn) net.Conn {
 func (c *rawConn) Read(p []byte) (int, error)  { return c.io.Read(p) }
 func (c *rawConn) Write(p []byte) (int, error) { return c.io.Write(p) }
 
+// CloseWrite passes a half-close on; a connection that cannot half-close is
+// closed, which says the same to its peer.
+func (c *rawConn) CloseWrite() error {
+	if cw, ok := c.Conn.(closeWriter); ok {
+		return cw.CloseWrite()
+	}
+	return c.Conn.Close()
+}
+
 // SyscallConn gives the socket, for readiness checks.
 func (c *rawConn) SyscallConn() (syscall.RawConn, error) { return c.io.rc, nil }

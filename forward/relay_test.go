@@ -102,7 +102,7 @@ func TestLocalClientSocketOptions(t *testing.T) {
 	if len(ups) != 1 {
 		t.Fatalf("%d upstream connections", len(ups))
 	}
-	urc, err := ups[0].(*net.TCPConn).SyscallConn()
+	urc, err := ups[0].(syscall.Conn).SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
