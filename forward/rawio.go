@@ -119,6 +119,8 @@ func (r *rawIO) opError(op string, errno syscall.Errno) error {
 
 // socketOf returns c's socket when c is a TCP connection whose reads and
 // writes go straight to it (not a wrapper holding bytes of its own).
+//
+//go:noinline
 func socketOf(c net.Conn) syscall.RawConn {
 	if rc, ok := c.(*rawConn); ok {
 		c = rc.Conn

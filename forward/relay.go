@@ -130,101 +130,168 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 	if rc == nil {
 		return t.pumpBuffered(dst, src)
 	}
-	var (
-		n            int64
-		bp           *[]byte
-		r            int
-		rerr         error
-		lastDeadline time.Time
-	)
-	defer func() {
-		if bp != nil {
-			t.putBuf(bp)
-		}
-	}()
-	armRead := func() {
-		if now := time.Now(); now.Sub(lastDeadline) > time.Second {
-			_ = src.SetReadDeadline(now.Add(t.idle))
-			lastDeadline = now
-		}
-	}
-	spliceFrom, spliceTo := socketOf(src), socketOf(dst)
-	var out io.Writer = dst
-	if spliceTo != nil {
-		out = &rawIO{rc: spliceTo, laddr: dst.LocalAddr(), raddr: dst.RemoteAddr()}
-	}
-	fill := func(fd uintptr) bool {
-		if bp == nil {
-			bp = relayBufs.Get().(*[]byte)
-		}
-		n, errno := rawRead(fd, *bp)
-		if errno == syscall.EAGAIN {
-			t.putBuf(bp)
-			bp = nil
-			return false
-		}
-		r = n
-		if errno != 0 {
-			r, rerr = -1, errno
-		}
-		return true
-	}
+	d := newDirection(t, dst, src)
+	defer d.putBuf()
 	for {
-		armRead()
-		r, rerr = 0, nil
-		err := rc.Read(fill)
-		if err == nil && rerr != nil {
-			err = rerr
+		d.deadline.arm()
+		d.r, d.rerr = 0, nil
+		err := rc.Read(d.fill)
+		if err == nil && d.rerr != nil {
+			err = d.rerr
 		}
-		if err == nil && r <= 0 {
+		if err == nil && d.r <= 0 {
 			err = io.EOF
 		}
 		if err != nil {
 			if errors.Is(err, io.EOF) {
 				t.halfClose(dst)
-				return n
+				return d.n
 			}
 			if t.stillActive(src, err) {
-				lastDeadline = time.Time{}
+				d.deadline.last = time.Time{}
 				continue
 			}
 			t.closeBoth()
-			return n
+			return d.n
 		}
-		w, err := out.Write((*bp)[:r])
-		n += int64(w)
-		if err != nil {
-			t.closeBoth()
-			return n
-		}
-		t.touch()
-		switch {
-		case r < len(*bp):
-		case r < relayLargeBufSize:
-			bp = t.grow(bp)
-		case spliceFrom != nil && spliceTo != nil:
-			// More than a large buffer was waiting: a backlog.
-			p := t.pipes.get()
-			if p == nil {
-				spliceFrom = nil // no pipes to be had: copy from now on
-				break
-			}
-			relayLargeBufs.Put(bp) // the direction's large-buffer ration passes to the pipe
-			bp = nil
-			moved, res := t.splice(spliceTo, spliceFrom, p, armRead)
-			n += moved
-			t.pipes.put(p)
-			t.large.Add(-1)
-			switch res {
-			case spliceEOF:
-				t.halfClose(dst)
-				return n
-			case spliceFailed:
-				t.closeBoth()
-				return n
-			}
+		if !d.forward() {
+			return d.n
 		}
 	}
+}
+
+// direction is the state of one pump, kept on the heap: an idle tunnel's
+// two goroutines park inside pump, and with pump's frame small the
+// runtime shrinks their stacks back to the minimum (2 KiB), which is most
+// of what an idle tunnel costs.
+type direction struct {
+	t                    *tunnel
+	dst                  net.Conn
+	out                  io.Writer
+	spliceFrom, spliceTo syscall.RawConn
+	deadline             readDeadline
+	fill                 func(fd uintptr) bool // the read, inside src's readiness wait
+	bp                   *[]byte
+	r                    int // bytes read, -1 on error
+	rerr                 error
+	n                    int64 // bytes moved
+}
+
+//go:noinline
+func newDirection(t *tunnel, dst, src net.Conn) *direction {
+	d := &direction{t: t, dst: dst, deadline: readDeadline{conn: src, idle: t.idle}}
+	d.spliceFrom, d.spliceTo = socketOf(src), socketOf(dst)
+	d.out = writerTo(dst, d.spliceTo)
+	d.fill = d.read
+	return d
+}
+
+func (d *direction) read(fd uintptr) bool {
+	if d.bp == nil {
+		d.bp = relayBufs.Get().(*[]byte)
+	}
+	n, errno := rawRead(fd, *d.bp)
+	if errno == syscall.EAGAIN {
+		d.putBuf()
+		return false
+	}
+	d.r = n
+	if errno != 0 {
+		d.r, d.rerr = -1, errno
+	}
+	return true
+}
+
+func (d *direction) putBuf() {
+	if d.bp != nil {
+		d.t.putBuf(d.bp)
+		d.bp = nil
+	}
+}
+
+// forward writes what was read to dst, then moves to a large buffer or
+// splices when the read showed a backlog. It reports whether the direction
+// goes on.
+//
+//go:noinline
+func (d *direction) forward() bool {
+	t := d.t
+	w, err := d.out.Write((*d.bp)[:d.r])
+	d.n += int64(w)
+	if err != nil {
+		t.closeBoth()
+		return false
+	}
+	t.touch()
+	switch {
+	case d.r < len(*d.bp):
+	case d.r < relayLargeBufSize:
+		d.bp = t.grow(d.bp)
+	case d.spliceFrom != nil && d.spliceTo != nil:
+		// More than a large buffer was waiting: a backlog.
+		moved, res := t.spliceBacklog(d.spliceTo, d.spliceFrom, d.bp, &d.deadline)
+		d.n += moved
+		if res == spliceNoPipe {
+			d.spliceFrom = nil // no pipes to be had: copy from now on
+			return true
+		}
+		d.bp = nil // the large buffer went back with the ration
+		switch res {
+		case spliceEOF:
+			t.halfClose(d.dst)
+			return false
+		case spliceFailed:
+			t.closeBoth()
+			return false
+		}
+	}
+	return true
+}
+
+// spliceBacklog splices a direction's backlog through a pipe from the
+// listener's cache; the direction's large buffer goes back to its pool and
+// its ration passes to the pipe until the backlog is gone. It is kept out of
+// pump so that pump's frame stays small: an idle tunnel's two goroutines
+// park inside pump, and their stacks are most of what it costs.
+//
+//go:noinline
+func (t *tunnel) spliceBacklog(dst, src syscall.RawConn, large *[]byte, deadline *readDeadline) (int64, spliceResult) {
+	p := t.pipes.get()
+	if p == nil {
+		return 0, spliceNoPipe
+	}
+	relayLargeBufs.Put(large)
+	moved, res := t.splice(dst, src, p, deadline)
+	t.pipes.put(p)
+	t.large.Add(-1)
+	return moved, res
+}
+
+// readDeadline keeps a direction's read deadline IdleTimeout ahead, moving
+// it at most once a second.
+type readDeadline struct {
+	conn net.Conn
+	idle time.Duration
+	last time.Time // when it was last moved
+}
+
+//go:noinline
+func (d *readDeadline) arm() {
+	if now := time.Now(); now.Sub(d.last) > time.Second {
+		_ = d.conn.SetReadDeadline(now.Add(d.idle))
+		d.last = now
+	}
+}
+
+// writerTo returns how a direction writes to dst: with raw system calls
+// when dst's socket is at hand (sock), else through dst.
+//
+//go:noinline
+func writerTo(dst net.Conn, sock syscall.RawConn) io.Writer {
+	if sock == nil {
+		return dst
+	}
+	return &rawIO{rc: sock, laddr: dst.LocalAddr(), raddr: dst.RemoteAddr()}
 }
 
 // spliceResult says why a direction stopped splicing.
@@ -234,6 +301,7 @@ const (
 	spliceCaughtUp spliceResult = iota // the backlog is gone: copy again
 	spliceEOF                          // src sent its last byte
 	spliceFailed                       // a read or write failed: close the tunnel
+	spliceNoPipe                       // no pipe could be had: nothing moved
 )
 
 func (t *tunnel) touch() { t.lastSeen.Store(time.Now().UnixNano()) }

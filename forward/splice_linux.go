@@ -98,11 +98,11 @@ func (c *pipeCache) close() {
 // splice moves src to dst through p while src has a backlog. It never waits
 // for src: when src has less than spliceMin queued it returns, and the pump
 // goes back to waiting on src without holding p. It waits for dst as a
-// write would. armRead keeps src's idle deadline current.
-func (t *tunnel) splice(dst, src syscall.RawConn, p *splicePipe, armRead func()) (int64, spliceResult) {
+// write would, and keeps src's idle deadline current.
+func (t *tunnel) splice(dst, src syscall.RawConn, p *splicePipe, deadline *readDeadline) (int64, spliceResult) {
 	var n int64
 	for {
-		armRead()
+		deadline.arm()
 		var (
 			in    int64
 			errno error

@@ -14,6 +14,6 @@ func (*pipeCache) get() *splicePipe { return nil }
 func (*pipeCache) put(*splicePipe)  {}
 func (*pipeCache) close()           {}
 
-func (t *tunnel) splice(_, _ syscall.RawConn, _ *splicePipe, _ func()) (int64, spliceResult) {
+func (t *tunnel) splice(_, _ syscall.RawConn, _ *splicePipe, _ *readDeadline) (int64, spliceResult) {
 	return 0, spliceCaughtUp
 }
