@@ -91,6 +91,7 @@ func benchIdle(b *testing.B, protocol pool.Protocol, n int) {
 	runtime.ReadMemStats(&ms1)
 	b.ReportMetric(float64(rss1-rss0)/float64(n)/1024, "KB-RSS/tunnel")
 	b.ReportMetric(float64((ms1.HeapInuse+ms1.StackInuse)-(ms0.HeapInuse+ms0.StackInuse))/float64(n)/1024, "KB-heap+stack/tunnel")
+	b.ReportMetric(float64(ms1.StackInuse-ms0.StackInuse)/float64(n)/1024, "KB-stack/tunnel")
 	b.ReportMetric(float64(fd1-fd0)/float64(n), "fds/tunnel")
 	b.ReportMetric(float64(g1-g0)/float64(n), "goroutines/tunnel")
 	b.ReportMetric(float64(n)/setup.Seconds(), "setups/s")
