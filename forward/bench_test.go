@@ -241,15 +241,54 @@ func plainLoad(name string, c, ops int, keepAlive bool) benchLoad {
 }
 
 // measure warms both paths, then times the load straight to the upstream
-// and through proxyd, rounds times each.
-func (ld benchLoad) measure(tb testing.TB, op func(string) func() error, upAddr, proxydAddr string, rounds int) (direct, proxied time.Duration) {
+// and through proxyd, rounds times each. With cpu set it also adds up the
+// CPU time cpu reports over each phase.
+func (ld benchLoad) measure(tb testing.TB, op func(string) func() error, upAddr, proxydAddr string, rounds int,
+	cpu func() cpuTimes) (direct, proxied time.Duration, cpuDirect, cpuProxied cpuTimes) {
 	timeLoad(tb, ld.c, 1, op(upAddr))
 	timeLoad(tb, ld.c, 1, op(proxydAddr))
 	for range rounds {
+		var c0, c1, c2 cpuTimes
+		if cpu != nil {
+			c0 = cpu()
+		}
 		direct += timeLoad(tb, ld.c, ld.ops, op(upAddr))
+		if cpu != nil {
+			c1 = cpu()
+		}
 		proxied += timeLoad(tb, ld.c, ld.ops, op(proxydAddr))
+		if cpu != nil {
+			c2 = cpu()
+		}
+		for i := range c0 {
+			cpuDirect[i] += c1[i] - c0[i]
+			cpuProxied[i] += c2[i] - c1[i]
+		}
 	}
-	return direct, proxied
+	return direct, proxied, cpuDirect, cpuProxied
+}
+
+// cpuTimes is the CPU time, in seconds, of the serving child (upstream and
+// destination), the load child and proxyd's process.
+type cpuTimes [3]float64
+
+// processCPU reads a process's user+system CPU seconds from /proc (in
+// clock ticks of 1/100 s, USER_HZ on Linux).
+func processCPU(pid int) float64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// Fields after the command name, which may hold spaces: state is
+	// field 3 of stat(5), utime 14 and stime 15.
+	stat := string(b)
+	f := strings.Fields(stat[strings.LastIndexByte(stat, ')')+1:])
+	if len(f) < 13 {
+		return 0
+	}
+	u, _ := strconv.Atoi(f[11])
+	st, _ := strconv.Atoi(f[12])
+	return float64(u+st) / 100
 }
 
 // BenchmarkInProcess runs load, upstream, destination and proxyd in this
@@ -259,7 +298,7 @@ func BenchmarkInProcess(b *testing.B) {
 		b.Run(ld.name, func(b *testing.B) {
 			up, target := ld.serve(b)
 			addr := benchListener(b, Config{Protocol: string(ld.protocol)}, newFakePool(up))
-			direct, proxied := ld.measure(b, ld.client(b, target), up.Address, addr, b.N)
+			direct, proxied, _, _ := ld.measure(b, ld.client(b, target), up.Address, addr, b.N, nil)
 			reportRatio(b, direct, proxied, ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
 		})
 	}
@@ -268,7 +307,9 @@ func BenchmarkInProcess(b *testing.B) {
 // BenchmarkSeparateProcesses runs each party in its own process, as in
 // production: the upstream and the destination in one child process, the
 // load (the clients) in another, proxyd alone in this one. Both children are
-// this test binary re-executed as TestBenchHelper.
+// this test binary re-executed as TestBenchHelper. Besides the ratio it
+// reports the CPU seconds all three processes spent in each phase and
+// proxyd's own share of the proxied phase: where a ratio comes from.
 func BenchmarkSeparateProcesses(b *testing.B) {
 	for _, ld := range benchLoads() {
 		b.Run(ld.name, func(b *testing.B) {
@@ -278,12 +319,15 @@ func BenchmarkSeparateProcesses(b *testing.B) {
 			up := &pool.Upstream{Service: 1, Protocol: ld.protocol, Address: upAddr}
 			addr := benchListener(b, Config{Protocol: string(ld.protocol)}, newFakePool(up))
 			load := startHelper(b, "load", ld.name, b.N)
-			fmt.Fprintf(load.stdin, "%s %s %s\n", upAddr, target, addr)
-			var d, p float64
-			if _, err := fmt.Sscan(load.next("RESULT "), &d, &p); err != nil {
+			fmt.Fprintf(load.stdin, "%s %s %s %d\n", upAddr, target, addr, server.pid)
+			var d, p, cpuDirect, cpuProxied, cpuProxyd float64
+			if _, err := fmt.Sscan(load.next("RESULT "), &d, &p, &cpuDirect, &cpuProxied, &cpuProxyd); err != nil {
 				b.Fatal(err)
 			}
 			reportRatio(b, time.Duration(d*1e9), time.Duration(p*1e9), ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
+			b.ReportMetric(cpuDirect, "CPU-s-direct")
+			b.ReportMetric(cpuProxied, "CPU-s-proxied")
+			b.ReportMetric(cpuProxyd, "CPU-s-proxyd")
 		})
 	}
 }
@@ -292,6 +336,7 @@ type helperProc struct {
 	tb    testing.TB
 	stdin io.WriteCloser
 	lines *bufio.Scanner
+	pid   int
 }
 
 func startHelper(tb testing.TB, role, load string, rounds int) *helperProc {
@@ -304,7 +349,7 @@ func startHelper(tb testing.TB, role, load string, rounds int) *helperProc {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
-	return &helperProc{tb: tb, stdin: stdin, lines: bufio.NewScanner(stdout)}
+	return &helperProc{tb: tb, stdin: stdin, lines: bufio.NewScanner(stdout), pid: cmd.Process.Pid}
 }
 
 func (h *helperProc) next(prefix string) string {
@@ -339,12 +384,19 @@ func TestBenchHelper(t *testing.T) {
 			_, _ = io.Copy(io.Discard, os.Stdin)
 			return
 		}
-		var upAddr, target, proxydAddr string
-		if _, err := fmt.Fscan(os.Stdin, &upAddr, &target, &proxydAddr); err != nil {
+		var (
+			upAddr, target, proxydAddr string
+			servePID                   int
+		)
+		if _, err := fmt.Fscan(os.Stdin, &upAddr, &target, &proxydAddr, &servePID); err != nil {
 			t.Fatal(err)
 		}
-		direct, proxied := ld.measure(t, ld.client(t, target), upAddr, proxydAddr, rounds)
-		fmt.Printf("RESULT %f %f\n", direct.Seconds(), proxied.Seconds())
+		cpu := func() cpuTimes {
+			return cpuTimes{processCPU(servePID), processCPU(os.Getpid()), processCPU(os.Getppid())}
+		}
+		direct, proxied, cd, cp := ld.measure(t, ld.client(t, target), upAddr, proxydAddr, rounds, cpu)
+		fmt.Printf("RESULT %f %f %f %f %f\n", direct.Seconds(), proxied.Seconds(),
+			cd[0]+cd[1]+cd[2], cp[0]+cp[1]+cp[2], cp[2])
 		return
 	}
 	t.Fatalf("no load %q", name)
