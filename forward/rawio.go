@@ -117,23 +117,18 @@ func (r *rawIO) opError(op string, errno syscall.Errno) error {
 	return &net.OpError{Op: op, Net: "tcp", Source: r.laddr, Addr: r.raddr, Err: os.NewSyscallError(op, errno)}
 }
 
-// socketOf returns c's socket when c is a TCP connection whose reads and
-// writes go straight to it (not a wrapper holding bytes of its own).
-//
-//go:noinline
-func socketOf(c net.Conn) syscall.RawConn {
-	if rc, ok := c.(*rawConn); ok {
-		c = rc.Conn
+// rawOf returns the rawIO c's reads and writes can go through: the one a
+// client connection or a raw-wrapped upstream already has, or a new one;
+// nil when c has no socket of its own (a wrapper holding bytes of its own).
+func rawOf(c net.Conn) *rawIO {
+	switch c := c.(type) {
+	case *rawConn:
+		return c.io
+	case *clientConn:
+		r, _ := c.rw.(*rawIO)
+		return r
 	}
-	tc, ok := c.(*net.TCPConn)
-	if !ok {
-		return nil
-	}
-	rc, err := tc.SyscallConn()
-	if err != nil {
-		return nil
-	}
-	return rc
+	return newRawIO(c)
 }
 
 // rawConn is a net.Conn whose reads and writes go through rawIO.

@@ -91,12 +91,13 @@ func (l *Listener) relay(cc *clientConn, upstream net.Conn, done func()) {
 			done()
 		}
 	}
-	if !l.spawn(func() { t.up = t.pump(upstream, cc.Conn); finish() }) {
+	client, up := rawOf(cc), rawOf(upstream)
+	if !l.spawn(func() { t.up = t.pump(upstream, cc.Conn, up, client); finish() }) {
 		t.closeBoth()
 		done()
 		return
 	}
-	if !l.spawn(func() { t.down = t.pump(cc.Conn, upstream); finish() }) {
+	if !l.spawn(func() { t.down = t.pump(cc.Conn, upstream, client, up); finish() }) {
 		t.closeBoth() // the running pump ends and finishes
 		finish()
 	}
@@ -114,28 +115,25 @@ type closeWriter interface{ CloseWrite() error }
 // pump copies src to dst. On EOF it passes the half-close on; on any other
 // error it closes both ends so that the other direction stops too.
 //
-// When src is a raw socket, the direction reads it with non-blocking reads
+// When src has a socket of its own (srcIO), the direction reads it with non-blocking reads
 // inside src's read-readiness wait: a read that returns data goes straight
 // to dst, so while data keeps coming the direction moves it read after read
 // without parking; the first read that would block gives the buffer back to
 // its pool before parking, so an idle direction holds no buffer. While a
-// backlog lasts between two TCP sockets, the direction splices instead
-// (splice_linux.go). A src without a raw socket (a wrapper) is read through a
-// pooled buffer under a read deadline.
-func (t *tunnel) pump(dst, src net.Conn) int64 {
-	var rc syscall.RawConn
-	if sc, ok := src.(syscall.Conn); ok {
-		rc, _ = sc.SyscallConn()
-	}
-	if rc == nil {
+// backlog lasts between two sockets, the direction splices instead
+// (splice_linux.go). Writes go through dstIO when dst has one. A src without
+// a socket of its own (a wrapper) is read through a pooled buffer under a
+// read deadline.
+func (t *tunnel) pump(dst, src net.Conn, dstIO, srcIO *rawIO) int64 {
+	if srcIO == nil {
 		return t.pumpBuffered(dst, src)
 	}
-	d := newDirection(t, dst, src)
+	d := newDirection(t, dst, src, dstIO, srcIO)
 	defer d.putBuf()
 	for {
 		d.deadline.arm()
 		d.r, d.rerr = 0, nil
-		err := rc.Read(d.fill)
+		err := srcIO.rc.Read(d.fill)
 		if err == nil && d.rerr != nil {
 			err = d.rerr
 		}
@@ -178,10 +176,12 @@ type direction struct {
 }
 
 //go:noinline
-func newDirection(t *tunnel, dst, src net.Conn) *direction {
-	d := &direction{t: t, dst: dst, deadline: readDeadline{conn: src, idle: t.idle}}
-	d.spliceFrom, d.spliceTo = socketOf(src), socketOf(dst)
-	d.out = writerTo(dst, d.spliceTo)
+func newDirection(t *tunnel, dst, src net.Conn, dstIO, srcIO *rawIO) *direction {
+	d := &direction{t: t, dst: dst, out: dst, deadline: readDeadline{conn: src, idle: t.idle}}
+	if dstIO != nil {
+		d.out = dstIO
+		d.spliceFrom, d.spliceTo = srcIO.rc, dstIO.rc
+	}
 	d.fill = d.read
 	return d
 }
@@ -281,17 +281,6 @@ func (d *readDeadline) arm() {
 		_ = d.conn.SetReadDeadline(now.Add(d.idle))
 		d.last = now
 	}
-}
-
-// writerTo returns how a direction writes to dst: with raw system calls
-// when dst's socket is at hand (sock), else through dst.
-//
-//go:noinline
-func writerTo(dst net.Conn, sock syscall.RawConn) io.Writer {
-	if sock == nil {
-		return dst
-	}
-	return &rawIO{rc: sock, laddr: dst.LocalAddr(), raddr: dst.RemoteAddr()}
 }
 
 // spliceResult says why a direction stopped splicing.

@@ -137,10 +137,12 @@ func TestRelaySplicesBacklog(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = src.Close() })
 	origin, err := ln.Accept()
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = origin.Close() })
 	dst, client := tcpPair(t)
 
 	const burst = 6 << 20
@@ -159,7 +161,7 @@ func TestRelaySplicesBacklog(t *testing.T) {
 	tu := &tunnel{idle: time.Minute, a: dst, b: src, large: &large, pipes: pipes}
 	tu.remaining.Store(2)
 	pumped := make(chan int64, 1)
-	go func() { pumped <- tu.pump(dst, src) }()
+	go func() { pumped <- tu.pump(dst, src, newRawIO(dst), newRawIO(src)) }()
 
 	got := make([]byte, len(data))
 	if _, err := io.ReadFull(client, got[:burst]); err != nil {
@@ -194,7 +196,6 @@ func TestRelaySplicesBacklog(t *testing.T) {
 	if n, err := client.Read(got[:1]); n != 0 || err != io.EOF {
 		t.Fatalf("after the last byte: %d, %v; want EOF", n, err)
 	}
-	_ = src.Close()
 }
 
 // queued returns the bytes waiting in c's receive queue.

@@ -61,7 +61,7 @@ type pipeCache struct {
 // get returns an empty pipe, or nil when none can be made.
 func (c *pipeCache) get() *splicePipe {
 	c.mu.Lock()
-	if n := len(c.free); n > 0 && !c.closed {
+	if n := len(c.free); n > 0 {
 		p := c.free[n-1]
 		c.free = c.free[:n-1]
 		c.mu.Unlock()
