@@ -542,19 +542,30 @@ func (s *Sim) ipList(w http.ResponseWriter, r *http.Request) {
 // activePPR reports whether sticky sessions of sv can be managed.
 func activePPR(sv *service) bool { return sv.typ == "ppr" && sv.status == "Active" }
 
+// managedSessions returns the request's service when its sticky sessions
+// can be managed; otherwise it answers (422 with unknown for an unknown
+// service, [] for fpr or inactive ones) and returns nil. s.mu is held.
+func (s *Sim) managedSessions(w http.ResponseWriter, r *http.Request, unknown string) *service {
+	sv := s.w.services[pathID(r, "id")]
+	switch {
+	case sv == nil:
+		writeError(w, http.StatusUnprocessableEntity, unknown)
+		return nil
+	case !activePPR(sv):
+		writeJSON(w, http.StatusOK, []object{})
+		return nil
+	}
+	return sv
+}
+
 // 17. GET /api/sticky/list/{id}: sessions in Layout.StickyShape; [] for
 // fpr or inactive services; 422 {"error":"Service not found"} for unknown
 // ones (the "descriptive message supplied by the backend").
 func (s *Sim) stickyList(w http.ResponseWriter, r *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	sv := s.w.services[pathID(r, "id")]
+	sv := s.managedSessions(w, r, msgStickyNoService)
 	if sv == nil {
-		writeError(w, http.StatusUnprocessableEntity, msgStickyNoService)
-		return
-	}
-	if !activePPR(sv) {
-		writeJSON(w, http.StatusOK, []object{})
 		return
 	}
 	out := []object{}
@@ -644,13 +655,8 @@ func (s *Sim) changeTTL(w http.ResponseWriter, r *http.Request) {
 func (s *Sim) resetAll(w http.ResponseWriter, r *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	sv := s.w.services[pathID(r, "id")]
+	sv := s.managedSessions(w, r, msgUnprocessable)
 	if sv == nil {
-		writeError(w, http.StatusUnprocessableEntity, msgUnprocessable)
-		return
-	}
-	if !activePPR(sv) {
-		writeJSON(w, http.StatusOK, []object{})
 		return
 	}
 	for i := range sv.sessions {
