@@ -80,7 +80,15 @@ type plainConn struct {
 	head  *headLimit
 	br    *bufio.Reader
 	bw    *bufio.Writer
-	timer *time.Timer // closes the connection when idle too long
+	// The idle timer is not moved at every put: a timer reset per request
+	// can wake a thread (BENCHMARKS.md). Armed, it runs by due, at most
+	// idleTimeout after the put that armed it, and closes the connection if
+	// it has been idle since idleSince for idleTimeout, or comes back for
+	// the rest. due, idleSince and armed are guarded by pcs.mu.
+	timer     *time.Timer
+	armed     bool
+	due       time.Time
+	idleSince time.Time
 }
 
 // roundTrip sends req (whose header is ready for the upstream) and returns
@@ -150,11 +158,8 @@ func (pcs *plainConns) get(key string) *plainConn {
 		list[len(list)-1] = nil
 		list = list[:len(list)-1]
 		pcs.n--
-		if !pc.timer.Stop() {
-			continue // its idle timer is closing it
-		}
-		if !peerSilent(pc.conn) {
-			_ = pc.conn.Close()
+		if time.Since(pc.idleSince) >= pcs.idleTimeout || !peerSilent(pc.conn) {
+			pc.close() // expired before its timer came, or the upstream closed or spoke
 			continue
 		}
 		return pc
@@ -165,38 +170,67 @@ func (pcs *plainConns) get(key string) *plainConn {
 // put keeps pc for the next request, or closes it.
 func (pcs *plainConns) put(pc *plainConn) {
 	if pc.br.Buffered() > 0 { // the upstream sent more than its answer
-		_ = pc.conn.Close()
+		pc.close()
 		return
 	}
 	pcs.mu.Lock()
 	defer pcs.mu.Unlock()
 	if pcs.closed || pcs.n >= pcs.maxIdle || len(pcs.idle[pc.key]) >= pcs.maxIdlePerKey {
-		_ = pc.conn.Close()
+		pc.close()
 		return
 	}
 	pcs.idle[pc.key] = append(pcs.idle[pc.key], pc)
 	pcs.n++
-	if pc.timer == nil {
-		pc.timer = time.AfterFunc(pcs.idleTimeout, func() { pcs.expire(pc) })
-	} else {
-		pc.timer.Reset(pcs.idleTimeout)
+	pc.idleSince = time.Now()
+	if expiry := pc.idleSince.Add(pcs.idleTimeout); !pc.armed || pc.due.After(expiry) {
+		pc.arm(expiry)
 	}
 }
 
-// expire closes pc after it was idle for idleTimeout.
+// arm sets pc's idle timer to run at due; pcs.mu is held.
+func (pc *plainConn) arm(due time.Time) {
+	pc.armed, pc.due = true, due
+	if pc.timer == nil {
+		pc.timer = time.AfterFunc(time.Until(due), func() { pc.pcs.expire(pc) })
+	} else {
+		pc.timer.Reset(time.Until(due))
+	}
+}
+
+// expire runs on pc's idle timer: it closes pc if pc is idle and has been
+// for idleTimeout, sets the timer again for the rest if pc is idle for
+// less, and leaves a connection in use for its next put to arm.
 func (pcs *plainConns) expire(pc *plainConn) {
 	pcs.mu.Lock()
+	pc.armed = false
 	list := pcs.idle[pc.key]
-	if i := slices.Index(list, pc); i >= 0 {
-		list = slices.Delete(list, i, i+1)
-		pcs.n--
-		if len(list) == 0 {
-			delete(pcs.idle, pc.key)
-		} else {
-			pcs.idle[pc.key] = list
-		}
+	i := slices.Index(list, pc)
+	if i < 0 {
+		pcs.mu.Unlock()
+		return
+	}
+	if expiry := pc.idleSince.Add(pcs.idleTimeout); time.Now().Before(expiry) {
+		pc.arm(expiry)
+		pcs.mu.Unlock()
+		return
+	}
+	list = slices.Delete(list, i, i+1)
+	pcs.n--
+	if len(list) == 0 {
+		delete(pcs.idle, pc.key)
+	} else {
+		pcs.idle[pc.key] = list
 	}
 	pcs.mu.Unlock()
+	_ = pc.conn.Close()
+}
+
+// close closes pc for good and stops its idle timer, which would otherwise
+// keep pc (and its buffers) until it runs.
+func (pc *plainConn) close() {
+	if pc.timer != nil {
+		pc.timer.Stop()
+	}
 	_ = pc.conn.Close()
 }
 
@@ -208,8 +242,7 @@ func (pcs *plainConns) close() {
 	pcs.closed = true
 	for k, list := range pcs.idle {
 		for _, pc := range list {
-			pc.timer.Stop()
-			_ = pc.conn.Close()
+			pc.close()
 		}
 		delete(pcs.idle, k)
 	}
@@ -223,7 +256,7 @@ func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm
 	stop := context.AfterFunc(ctx, func() { _ = pc.conn.SetDeadline(time.Unix(1, 0)) })
 	fail := func(err error) (*http.Response, error) {
 		stop()
-		_ = pc.conn.Close()
+		pc.close()
 		if ctx.Err() != nil {
 			return nil, context.Cause(ctx)
 		}
@@ -260,7 +293,7 @@ func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm
 				// The upstream waits for the rest of a body that will not
 				// come: end the attempt. (When writing to the upstream
 				// failed, its answer may still be there to read.)
-				_ = pc.conn.Close()
+				pc.close()
 			}
 			wrote <- err
 		}) {
@@ -345,7 +378,7 @@ func (b *plainBody) Close() error {
 			return
 		}
 		b.stop()
-		_ = b.pc.conn.Close()
+		b.pc.close()
 	})
 	return nil
 }

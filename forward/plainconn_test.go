@@ -637,3 +637,61 @@ func TestPlainIdleLimits(t *testing.T) {
 	}
 	waitFor(t, 5*time.Second, func() bool { return a.closed.Load()+b.closed.Load() == n-2 }, "the connection used again closed after the idle timeout")
 }
+
+// A kept connection's idle timer is not moved at each reuse; when it runs,
+// a connection used again in the meantime stays for the rest of its own
+// idle time, and is closed once that has passed.
+func TestPlainIdleTimerCountsFromLastUse(t *testing.T) {
+	const timeout = 400 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		ok := func() bool {
+			pcs := newPlainConns(nil, nil)
+			pcs.idleTimeout = timeout
+			ours, theirs := net.Pipe()
+			defer theirs.Close()
+			pc := &plainConn{pcs: pcs, key: "k", conn: ours, br: bufio.NewReader(ours)}
+			closed := make(chan time.Time, 1)
+			go func() {
+				_, _ = io.Copy(io.Discard, theirs)
+				closed <- time.Now()
+			}()
+			idleSince := func() time.Time { pcs.mu.Lock(); defer pcs.mu.Unlock(); return pc.idleSince }
+
+			pcs.put(pc)
+			armed := idleSince()
+			time.Sleep(timeout * 5 / 8)
+			if pcs.get("k") != pc {
+				t.Fatal("connection idle for less than the timeout was not kept")
+			}
+			pcs.put(pc) // the timer still runs for the first put
+			used := idleSince()
+			for time.Since(armed) < timeout*5/4 { // past the first put's timeout
+				time.Sleep(timeout / 8)
+			}
+			got := pcs.get("k")
+			if time.Since(used) >= timeout {
+				return false // this machine was too slow to tell; try again
+			}
+			if got != pc {
+				t.Fatalf("connection used %v ago was closed at the timeout of an earlier use", time.Since(used))
+			}
+			pcs.put(pc)
+			used = idleSince()
+			select {
+			case at := <-closed:
+				if idle := at.Sub(used); idle < timeout {
+					t.Fatalf("closed after %v idle, want at least %v", idle, timeout)
+				}
+			case <-time.After(10 * timeout):
+				t.Fatal("idle connection not closed after its timeout")
+			}
+			return true
+		}()
+		if ok {
+			return
+		}
+		if attempt == 3 {
+			t.Fatal("the machine was too slow to run the timing in three attempts")
+		}
+	}
+}
