@@ -74,12 +74,12 @@ func newPlainConns(d *dialer, spawn func(func()) bool) *plainConns {
 
 // plainConn is one upstream connection for plain requests.
 type plainConn struct {
-	pcs   *plainConns
-	key   string
-	conn  net.Conn
-	head  *headLimit
-	br    *bufio.Reader
-	bw    *bufio.Writer
+	pcs  *plainConns
+	key  string
+	conn net.Conn
+	head *headLimit
+	br   *bufio.Reader
+	bw   *bufio.Writer
 	// The idle timer is not moved at every put: a timer reset per request
 	// can wake a thread (BENCHMARKS.md). Armed, it runs by due, at most
 	// idleTimeout after the put that armed it, and closes the connection if
