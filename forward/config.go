@@ -1,6 +1,7 @@
 package forward
 
 import (
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
@@ -75,6 +76,10 @@ type Config struct {
 	MaxConns int
 	// SourceAddr, when valid, is the local address outbound connections use.
 	SourceAddr netip.Addr
+	// RootCAs are the certificate authorities proxyd trusts where it speaks
+	// TLS itself (an "https://" request in absolute form); nil means the
+	// system's. Verification is never turned off.
+	RootCAs *x509.CertPool
 }
 
 // withDefaults returns c with zero fields set to their defaults.

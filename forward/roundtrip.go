@@ -154,7 +154,7 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 	d := tc.l.dialer
 	tr := &http.Transport{
 		Proxy:                  nil, // never from the environment
-		TLSClientConfig:        &tls.Config{MinVersion: tls.VersionTLS12},
+		TLSClientConfig:        &tls.Config{MinVersion: tls.VersionTLS12, RootCAs: tc.l.cfg.RootCAs},
 		TLSHandshakeTimeout:    d.handshakeTimeout,
 		DisableCompression:     true, // the client's Accept-Encoding goes through as sent
 		MaxIdleConns:           512,
@@ -280,6 +280,33 @@ func (rb *replayBody) next() *bodyAttempt {
 	}
 	rb.cur = &bodyAttempt{rb: rb}
 	return rb.cur
+}
+
+// flushingBody is an answer's body on Transport (TLS to the destination, or
+// "Expect: 100-continue"). It flushes what the client was given so far
+// before each read, since it cannot tell whether the read will wait:
+// otherwise a streamed answer would sit in the response's buffer until that
+// fills (goproxy flushes event streams only). A plainBody flushes only
+// before a read that would wait (headLimit.idle).
+type flushingBody struct {
+	io.ReadCloser
+	flush func() error
+}
+
+func (b *flushingBody) Read(p []byte) (int, error) {
+	_ = b.flush()
+	return b.ReadCloser.Read(p)
+}
+
+// tlsFailure reports whether err is the destination's TLS failing: its
+// certificate not verified, a TLS alert, or no TLS at all.
+func tlsFailure(err error) bool {
+	var (
+		verify *tls.CertificateVerificationError
+		alert  tls.AlertError
+		record tls.RecordHeaderError
+	)
+	return errors.As(err, &verify) || errors.As(err, &alert) || errors.As(err, &record)
 }
 
 // releaseBody releases the upstream when the response body is done.
@@ -418,6 +445,11 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 			res = derr.result
 		case ctx.Err() != nil:
 			res = pool.Canceled
+		case tlsFailure(err):
+			// The upstream carried the connection; the destination's TLS
+			// did not hold (an untrusted or wrong certificate, no TLS at
+			// all). Another upstream would reach the same destination.
+			res = pool.DestinationError
 		default:
 			res = pool.HandshakeTimeout // no or malformed answer
 		}
@@ -428,10 +460,12 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 			}
 			l.pool.Report(up, pool.Success, took)
 			stripHop(resp.Header, false)
-			if pb, ok := resp.Body.(*plainBody); ok {
-				if w, ok := ctx.Value(writerKey).(http.ResponseWriter); ok {
-					rc := http.NewResponseController(w)
-					pb.pc.head.idle = func() { _ = rc.Flush() }
+			if w, ok := ctx.Value(writerKey).(http.ResponseWriter); ok {
+				flush := http.NewResponseController(w).Flush
+				if pb, ok := resp.Body.(*plainBody); ok {
+					pb.pc.head.idle = func() { _ = flush() }
+				} else {
+					resp.Body = &flushingBody{ReadCloser: resp.Body, flush: flush}
 				}
 			}
 			resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() {
