@@ -24,8 +24,9 @@ import (
 
 // Benchmarks compare the same load straight to the same upstream (the
 // baseline) with the load through proxyd, in the same run, and report the
-// ratio proxied/direct as "ratio". Run with -benchtime=1x or 3x: each
-// iteration runs a whole load both ways.
+// ratio proxied/direct as "ratio". Each iteration runs a whole load both
+// ways; run with -benchtime=10x or more (BENCHMARKS.md: a single round's
+// ratio moves widely on a small VM), 1x for a quick look.
 
 // benchListener serves cfg on loopback for a benchmark.
 func benchListener(b *testing.B, cfg Config, p Pool) string {
