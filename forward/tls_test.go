@@ -2,12 +2,17 @@ package forward
 
 import (
 	"bufio"
+	"crypto/tls"
 	"crypto/x509"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"os"
+	"os/exec"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -92,4 +97,62 @@ func TestHTTPSAbsoluteForm(t *testing.T) {
 			}
 		})
 	})
+}
+
+// proxyd never takes proxy settings from its environment (goproxy's and
+// net/http's defaults do): with HTTP_PROXY, HTTPS_PROXY and ALL_PROXY
+// pointing at a trap, plain, https:// and CONNECT requests for a named
+// destination go through the upstream, and the trap sees no connection. The
+// requests run in a child process started with that environment, since
+// net/http reads it once per process.
+func TestNoProxyFromEnvironment(t *testing.T) {
+	if os.Getenv("FORWARD_ENV_CHILD") != "" {
+		envProxyChild(t)
+		return
+	}
+	var trapped atomic.Int64
+	trap := startTCP(t, "tcp", "127.0.0.1:0", func(net.Conn) { trapped.Add(1) })
+	cmd := exec.Command(os.Args[0], "-test.run=^TestNoProxyFromEnvironment$", "-test.v")
+	cmd.Env = append(os.Environ(), "FORWARD_ENV_CHILD=1",
+		"HTTP_PROXY=http://"+trap, "http_proxy=http://"+trap,
+		"HTTPS_PROXY=http://"+trap, "https_proxy=http://"+trap,
+		"ALL_PROXY=socks5://"+trap, "all_proxy=socks5://"+trap,
+		"NO_PROXY=", "no_proxy=")
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: TestNoProxyFromEnvironment") {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	if n := trapped.Load(); n != 0 {
+		t.Errorf("%d connections reached the environment's proxy", n)
+	}
+}
+
+func envProxyChild(t *testing.T) {
+	n := names{"example.com": "127.0.0.1"} // in httptest's certificate
+	origin := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = io.WriteString(w, "hello")
+	}))
+	t.Cleanup(origin.Close)
+	_, port, _ := net.SplitHostPort(strings.TrimPrefix(origin.URL, "https://"))
+	plain, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = io.WriteString(w, "hello")
+	}))
+	_, plainPort, _ := net.SplitHostPort(plain)
+	roots := x509.NewCertPool()
+	roots.AddCert(origin.Certificate())
+	for _, up := range []*pool.Upstream{newHTTPUpstream(t, "", "", n).upstream(1), newSOCKSUpstream(t, "", "", n).upstream(2)} {
+		tl := startListener(t, Config{RootCAs: roots}, newFakePool(up))
+		tr := &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: tl.addr}), TLSClientConfig: &tls.Config{RootCAs: roots}}
+		t.Cleanup(tr.CloseIdleConnections)
+		c := &http.Client{Transport: tr} // https:// goes by CONNECT
+		for _, u := range []string{"http://example.com:" + plainPort + "/", "https://example.com:" + port + "/"} {
+			if code, body := getBody(t, c, u); code != 200 || body != "hello" {
+				t.Errorf("%s via %s: %d %q", u, up.Protocol, code, body)
+			}
+		}
+		resp := rawRequest(t, tl.addr, "GET https://example.com:"+port+"/ HTTP/1.1\r\nHost: example.com:"+port+"\r\n\r\n")
+		if resp == nil || resp.StatusCode != 200 {
+			t.Errorf("https:// in absolute form via %s: %+v", up.Protocol, resp)
+		}
+	}
 }
