@@ -110,6 +110,7 @@ func TestNoProxyFromEnvironment(t *testing.T) {
 		envProxyChild(t)
 		return
 	}
+	checkLeaks(t)
 	var trapped atomic.Int64
 	trap := startTCP(t, "tcp", "127.0.0.1:0", func(net.Conn) { trapped.Add(1) })
 	cmd := exec.Command(os.Args[0], "-test.run=^TestNoProxyFromEnvironment$", "-test.v")
