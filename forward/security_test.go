@@ -11,6 +11,7 @@ import (
 	"net/http/httputil"
 	"net/netip"
 	"net/textproto"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -45,15 +46,25 @@ func rawRequest(t *testing.T, addr, raw string) *http.Response {
 	return resp
 }
 
+// strippedHeaders are the client's headers that must reach neither the
+// upstream nor the destination, and those proxyd must not add.
+var strippedHeaders = []string{"Proxy-Authorization", "Connection", "X-Hop", "Keep-Alive", "Te", "Trailer",
+	"Proxy-Connection", "Upgrade", "Via", "X-Forwarded-For", "Forwarded"}
+
+// headerProbe is a plain request to origin carrying the local user's
+// Proxy-Authorization and every kind of hop-by-hop header.
+func headerProbe(origin string) string {
+	return "GET http://" + origin + "/h HTTP/1.1\r\nHost: " + origin + "\r\n" +
+		"Proxy-Authorization: " + basicHeader("alice-session-k9", "s3cret") + "\r\n" +
+		"Connection: X-Hop, keep-alive\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n" +
+		"Trailer: X-T\r\nProxy-Connection: keep-alive\r\nUpgrade: foo/1\r\nX-Keep: yes\r\n\r\n"
+}
+
 func TestHeadersStripped(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
 		tl := startListener(t, Config{AllowDestinations: loopbackAllowed, Users: []User{{"alice", "s3cret"}}}, newFakePool(up))
-		raw := "GET http://" + origin + "/h HTTP/1.1\r\nHost: " + origin + "\r\n" +
-			"Proxy-Authorization: " + basicHeader("alice-session-k9", "s3cret") + "\r\n" +
-			"Connection: X-Hop, keep-alive\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n" +
-			"Trailer: X-T\r\nProxy-Connection: keep-alive\r\nUpgrade: foo/1\r\nX-Keep: yes\r\n\r\n"
-		resp := rawRequest(t, tl.addr, raw)
+		resp := rawRequest(t, tl.addr, headerProbe(origin))
 		if resp == nil || resp.StatusCode != 200 {
 			t.Fatalf("response %+v", resp)
 		}
@@ -61,8 +72,7 @@ func TestHeadersStripped(t *testing.T) {
 		if err := json.NewDecoder(resp.Body).Decode(&e); err != nil {
 			t.Fatal(err)
 		}
-		for _, h := range []string{"Proxy-Authorization", "Connection", "X-Hop", "Keep-Alive", "Te", "Trailer",
-			"Proxy-Connection", "Upgrade", "Via", "X-Forwarded-For", "Forwarded"} {
+		for _, h := range strippedHeaders {
 			if v, ok := e.Header[h]; ok {
 				t.Errorf("origin saw %s: %q", h, v)
 			}
@@ -76,6 +86,43 @@ func TestHeadersStripped(t *testing.T) {
 			}
 		}
 	})
+}
+
+// An HTTP upstream takes Proxy-Authorization off before the origin sees the
+// request, so the origin cannot tell whose credentials went upstream: the
+// upstream itself must see its own (none when it has none), and none of the
+// hop-by-hop headers.
+func TestHeadersStrippedAtUpstream(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	for _, creds := range [][2]string{{"upuser", "up:pass"}, {"", ""}} {
+		u := newHTTPUpstream(t, creds[0], creds[1], nil)
+		up := u.upstream(1)
+		tl := startListener(t, Config{AllowDestinations: loopbackAllowed, Users: []User{{"alice", "s3cret"}}}, newFakePool(up))
+		if resp := rawRequest(t, tl.addr, headerProbe(origin)); resp == nil || resp.StatusCode != 200 {
+			t.Fatalf("upstream user %q: response %+v", creds[0], resp)
+		}
+		got := u.Headers()
+		if len(got) != 1 {
+			t.Fatalf("upstream user %q: saw %d plain requests, want 1", creds[0], len(got))
+		}
+		h := got[0]
+		var want []string
+		if a := basicAuth(up); a != "" {
+			want = []string{a}
+		}
+		if v := h.Values("Proxy-Authorization"); !slices.Equal(v, want) {
+			t.Errorf("upstream user %q: saw Proxy-Authorization %q, want %q", creds[0], v, want)
+		}
+		for _, name := range strippedHeaders {
+			if v, ok := h[name]; ok && name != "Proxy-Authorization" {
+				t.Errorf("upstream user %q: saw %s: %q", creds[0], name, v)
+			}
+		}
+		if h.Get("X-Keep") != "yes" {
+			t.Errorf("upstream user %q: end-to-end header lost: %v", creds[0], h)
+		}
+	}
 }
 
 func TestLocalUsers(t *testing.T) {
