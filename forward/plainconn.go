@@ -81,12 +81,11 @@ type plainConn struct {
 	br   *bufio.Reader
 	bw   *bufio.Writer
 	// The idle timer is not moved at every put: a timer reset per request
-	// can wake a thread (BENCHMARKS.md). Armed, it runs by due, at most
-	// idleTimeout after the put that armed it, and closes the connection if
-	// it has been idle since idleSince for idleTimeout, or comes back for
-	// the rest. due, idleSince and armed are guarded by pcs.mu.
+	// can wake a thread (BENCHMARKS.md). It runs at due (zero: not set), at
+	// most idleTimeout after the put that set it, and closes the connection
+	// if it has been idle since idleSince for idleTimeout, or comes back for
+	// the rest. due and idleSince are guarded by pcs.mu.
 	timer     *time.Timer
-	armed     bool
 	due       time.Time
 	idleSince time.Time
 }
@@ -182,14 +181,14 @@ func (pcs *plainConns) put(pc *plainConn) {
 	pcs.idle[pc.key] = append(pcs.idle[pc.key], pc)
 	pcs.n++
 	pc.idleSince = time.Now()
-	if expiry := pc.idleSince.Add(pcs.idleTimeout); !pc.armed || pc.due.After(expiry) {
+	if expiry := pc.idleSince.Add(pcs.idleTimeout); pc.due.IsZero() || pc.due.After(expiry) {
 		pc.arm(expiry)
 	}
 }
 
 // arm sets pc's idle timer to run at due; pcs.mu is held.
 func (pc *plainConn) arm(due time.Time) {
-	pc.armed, pc.due = true, due
+	pc.due = due
 	if pc.timer == nil {
 		pc.timer = time.AfterFunc(time.Until(due), func() { pc.pcs.expire(pc) })
 	} else {
@@ -202,7 +201,7 @@ func (pc *plainConn) arm(due time.Time) {
 // less, and leaves a connection in use for its next put to arm.
 func (pcs *plainConns) expire(pc *plainConn) {
 	pcs.mu.Lock()
-	pc.armed = false
+	pc.due = time.Time{}
 	list := pcs.idle[pc.key]
 	i := slices.Index(list, pc)
 	if i < 0 {
