@@ -351,7 +351,7 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 	ctx := req.Context()
 	cc, _ := ctx.Value(connKey).(*clientConn)
 	key, _ := ctx.Value(keyKey).(string)
-	stripHop(req.Header, false)
+	// req's hop-by-hop headers went in serveHTTP, before goproxy.
 	var rb *replayBody
 	if req.Body != nil && req.Body != http.NoBody {
 		rb = &replayBody{rc: req.Body}
