@@ -84,11 +84,13 @@ func (s *Sim) clients(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-// pprService returns the service of path parameter "id" when it is a ppr
-// service (of any status), else nil.
-func (s *Sim) pprService(r *http.Request) *service {
+// pprService returns the service of path parameter "id" for the usage
+// endpoints (2 and 3) when it is a ppr service of any status; otherwise it
+// answers 422 "Unprocessable Entity " and returns nil. Called with s.mu held.
+func (s *Sim) pprService(w http.ResponseWriter, r *http.Request) *service {
 	sv := s.w.services[pathID(r, "id")]
 	if sv == nil || sv.typ != "ppr" {
+		writeError(w, http.StatusUnprocessableEntity, msgUnprocessableSpace)
 		return nil
 	}
 	return sv
@@ -99,9 +101,8 @@ func (s *Sim) pprService(r *http.Request) *service {
 func (s *Sim) stats(w http.ResponseWriter, r *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	sv := s.pprService(r)
+	sv := s.pprService(w, r)
 	if sv == nil {
-		writeError(w, http.StatusUnprocessableEntity, msgUnprocessableSpace)
 		return
 	}
 	today := s.cfg.Now().UTC()
@@ -118,9 +119,8 @@ func (s *Sim) stats(w http.ResponseWriter, r *http.Request) {
 func (s *Sim) rate(w http.ResponseWriter, r *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	sv := s.pprService(r)
+	sv := s.pprService(w, r)
 	if sv == nil {
-		writeError(w, http.StatusUnprocessableEntity, msgUnprocessableSpace)
 		return
 	}
 	writeJSON(w, http.StatusOK, []object{{{"limit", sv.usageLimit}, {"rate", sv.usageRate}}})
@@ -170,24 +170,12 @@ func (s *Sim) order(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	fields, ok := readObject(r)
-	if !ok {
-		writeError(w, http.StatusUnprocessableEntity, msgIncorrectData)
-		return
-	}
-	clientID, ok := intField(fields["clientid"])
-	if !ok {
-		writeError(w, http.StatusUnprocessableEntity, msgIncorrectData)
-		return
-	}
-	setip, ok := stringField(fields["setip"])
-	if !ok {
-		writeError(w, http.StatusUnprocessableEntity, msgIncorrectData)
-		return
-	}
+	clientID, okClient := intField(fields["clientid"])
+	setip, okSetIP := stringField(fields["setip"])
 	if p.typ != "fpr" {
 		setip = ""
 	}
-	if setip != "" && (!isIPv4(setip) || s.boundElsewhere(setip, 0)) {
+	if !ok || !okClient || !okSetIP || (setip != "" && (!isIPv4(setip) || s.boundElsewhere(setip, 0))) {
 		writeError(w, http.StatusUnprocessableEntity, msgIncorrectData)
 		return
 	}
@@ -620,6 +608,9 @@ func (s *Sim) rotate(w http.ResponseWriter, r *http.Request) {
 	writeError(w, http.StatusUnprocessableEntity, msgUnprocessable)
 }
 
+// validTTLs are the sticky session TTLs endpoint 19 accepts (spec §8).
+var validTTLs = []int{1, 2, 3, 5, 10, 15}
+
 // 19. GET /api/sticky/changettl/{id}/{ttl}: sets the TTL of every session
 // and answers {"success":"TTL changed"}. Unknown service or a TTL other
 // than 1, 2, 3, 5, 10, 15: 422 "Unprocessable Entity " (TTL checked
@@ -628,13 +619,8 @@ func (s *Sim) changeTTL(w http.ResponseWriter, r *http.Request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ttl, err := strconv.Atoi(r.PathValue("ttl"))
-	switch ttl {
-	case 1, 2, 3, 5, 10, 15:
-	default:
-		err = strconv.ErrRange
-	}
 	sv := s.w.services[pathID(r, "id")]
-	if err != nil || sv == nil {
+	if err != nil || !slices.Contains(validTTLs, ttl) || sv == nil {
 		writeError(w, http.StatusUnprocessableEntity, msgUnprocessableSpace)
 		return
 	}
