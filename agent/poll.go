@@ -406,7 +406,7 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 		if _, ok := records[id]; ok {
 			continue
 		}
-		if slices.Contains(dropped, id) || (!slices.Contains(want, id)) {
+		if slices.Contains(dropped, id) || !slices.Contains(want, id) {
 			delete(p.services, id)
 			if !slices.Contains(dropped, id) {
 				dropped = append(dropped, id)
@@ -616,7 +616,7 @@ func (p *Poller) pollUsage(ctx context.Context) error {
 		}
 		p.mu.Lock()
 		if st := p.services[id]; st != nil {
-			st.Rate, st.Limit, st.HasUsage = float64(rate[0].Rate), float64(rate[0].Limit), true
+			st.Rate, st.Limit, st.HasUsage = rate[0].Rate, rate[0].Limit, true
 		}
 		p.mu.Unlock()
 	}
@@ -663,10 +663,13 @@ func (p *Poller) Rotate(ctx context.Context, service int, server, session string
 	if err != nil {
 		return "", fmt.Errorf("rotating session %s on %s of service %d: %w", session, server, service, err)
 	}
+	if res.ExitIP == "" {
+		return "", nil // the answer names no exit IP: the next lists round brings it
+	}
 	p.mu.Lock()
 	if st := p.services[service]; st != nil {
 		for i := range st.Sticky {
-			if st.Sticky[i].Server == server && st.Sticky[i].Session == session && res.ExitIP != "" {
+			if st.Sticky[i].Server == server && st.Sticky[i].Session == session {
 				st.Sticky[i].ExitIP = res.ExitIP
 			}
 		}
