@@ -348,7 +348,7 @@ func entryFromObject(obj map[string]json.RawMessage) (Entry, bool) {
 		}
 		host, port = h, pt
 	} else {
-		host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+		host = unbracket(host)
 	}
 	if !validHost(host) || port < 1 || port > 65535 {
 		return Entry{}, false
@@ -417,7 +417,7 @@ func recordWithHeader(fields []string, cols map[string]int) (Entry, bool) {
 		e = Entry{Host: h, Port: pt}
 	} else {
 		pt, ok := parsePort(port)
-		host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+		host = unbracket(host)
 		if !ok || !validHost(host) {
 			return Entry{}, false
 		}
@@ -438,7 +438,7 @@ func record(fields []string) (Entry, bool) {
 		return parseProxyLine(fields[0])
 	case len(fields) == 2 || len(fields) == 4:
 		if pt, ok := parsePort(fields[1]); ok {
-			host := strings.TrimSuffix(strings.TrimPrefix(fields[0], "["), "]")
+			host := unbracket(fields[0])
 			if !validHost(host) {
 				return Entry{}, false
 			}
@@ -622,6 +622,12 @@ func parsePort(s string) (int, bool) {
 	}
 	n, _ := strconv.Atoi(s)
 	return n, n >= 1 && n <= 65535
+}
+
+// unbracket drops the brackets of an IPv6 host written as in a URL
+// ("[2001:db8::1]") when it comes with a separate port field.
+func unbracket(host string) string {
+	return strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
 }
 
 // validHost admits an IP address or a DNS name (letters, digits, '-', '_'
