@@ -222,7 +222,7 @@ func TestTimeoutAndCancel(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(codes) != 2 || codes[0] != RouteCredit+" error" {
+	if len(codes) != 2 || codes[0] != RouteCredit+" error" || codes[1] != RouteCredit+" error" {
 		t.Errorf("observed %q", codes)
 	}
 }
@@ -357,9 +357,11 @@ func TestTokenNeverLeaks(t *testing.T) {
 		dead.Close()
 		cfg.BaseURL = dead.URL
 		c2, _ := New(cfg)
-		if _, err := c2.Services(context.Background()); err != nil {
-			errs = append(errs, err.Error())
+		_, err = c2.Services(context.Background())
+		if err == nil {
+			t.Fatal("a closed port answered")
 		}
+		errs = append(errs, err.Error())
 		all := strings.Join(errs, "\n") + "\n" + logBuf.String()
 		for _, secret := range []string{testToken, password, loginEnc} {
 			if strings.Contains(all, secret) {

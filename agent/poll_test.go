@@ -272,10 +272,17 @@ func TestPollerRotate(t *testing.T) {
 	if ip == "" || ip == sess.ExitIP || sim.Sessions(102)[0].ExitIP != ip {
 		t.Fatalf("rotate gave %q; old %q, provider now %q", ip, sess.ExitIP, sim.Sessions(102)[0].ExitIP)
 	}
+	found := false
 	for _, ss := range serviceByID(p.Snapshot(), 102).Sticky {
-		if ss.Session == sess.Session && ss.ExitIP != ip {
-			t.Errorf("snapshot keeps the old exit IP %q", ss.ExitIP)
+		if ss.Session == sess.Session {
+			found = true
+			if ss.ExitIP != ip {
+				t.Errorf("snapshot keeps the old exit IP %q", ss.ExitIP)
+			}
 		}
+	}
+	if !found {
+		t.Errorf("session %q missing from the snapshot", sess.Session)
 	}
 }
 
@@ -363,10 +370,19 @@ func TestPollerAliveDuringSlowAccountRound(t *testing.T) {
 	go func() { defer close(done); p.Run(ctx) }()
 	defer func() { cancel(); <-done }()
 	maxAge := 2 * time.Second // the daemon uses the API timeout + 10s
+	waitedPastMaxAge := false
 	for start := time.Now(); time.Since(start) < 3500*time.Millisecond; time.Sleep(100 * time.Millisecond) {
 		if !p.Alive(maxAge) {
 			t.Fatalf("not alive after %v while every request answered within its timeout", time.Since(start))
 		}
+		if time.Since(start) > maxAge && p.Rounds(LoopLists) == 0 {
+			waitedPastMaxAge = true
+		}
+	}
+	// Else the first account round ended too soon for the other loops'
+	// wait to matter, and the test proved nothing.
+	if !waitedPastMaxAge {
+		t.Error("the other loops never waited longer than maxAge for the first account round")
 	}
 }
 
