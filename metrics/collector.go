@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"maps"
 	"slices"
 	"strconv"
 	"time"
@@ -50,10 +51,7 @@ func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 	m.mu.Lock()
 	src := m.poolSource
 	account := m.account
-	services := make([]int, 0, len(m.services))
-	for id := range m.services {
-		services = append(services, id)
-	}
+	services := slices.Collect(maps.Keys(*m.services.Load()))
 	listeners := make([]string, 0, len(m.listeners))
 	for name := range m.listeners {
 		listeners = append(listeners, name)

@@ -113,11 +113,24 @@ type Metrics struct {
 
 	stateTime atomic.Int64 // unix nanoseconds; 0 = no state yet
 
+	// services are the served services with their event series bound; the
+	// map is replaced, never changed, by SetServices under mu.
+	services atomic.Pointer[map[int]*serviceCounters]
+
 	mu         sync.Mutex
 	listeners  map[string]*listenerObserver
-	services   map[int]bool
 	account    Account
 	poolSource func() pool.Explanation
+}
+
+// serviceCounters are the event series of one served service, bound when it
+// joins: the pool calls UpstreamFailure, Ejection and Rotation on the
+// connection path, where they neither format the service ID nor look up a
+// series.
+type serviceCounters struct {
+	failures  []prometheus.Counter // in the order of Metrics.reasons
+	rotations []prometheus.Counter // in the order of RotationResults()
+	ejections prometheus.Counter
 }
 
 // New makes every metric of DESIGN.md §6, registers it with the Go and
@@ -147,8 +160,8 @@ func New(reg prometheus.Registerer, o Options) (*Metrics, error) {
 		gatherer:  g,
 		reasons:   pool.FailureReasons(),
 		listeners: make(map[string]*listenerObserver),
-		services:  make(map[int]bool),
 	}
+	m.services.Store(new(map[int]*serviceCounters))
 	if m.now == nil {
 		m.now = time.Now
 	}
@@ -264,51 +277,75 @@ func (m *Metrics) Listener(name string) forward.Observer {
 func (m *Metrics) SetServices(ids []int) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	next := make(map[int]bool, len(ids))
+	old := *m.services.Load()
+	next := make(map[int]*serviceCounters, len(ids))
 	for _, id := range ids {
-		next[id] = true
-		if m.services[id] {
-			continue
+		switch {
+		case old[id] != nil:
+			next[id] = old[id]
+		case next[id] == nil:
+			next[id] = m.bindService(id)
 		}
-		s := strconv.Itoa(id)
-		for _, r := range m.reasons {
-			m.failures.WithLabelValues(s, r)
-		}
-		for _, r := range RotationResults() {
-			m.rotations.WithLabelValues(s, r)
-		}
-		m.ejections.WithLabelValues(s)
 	}
-	for id := range m.services {
-		if !next[id] {
+	for id := range old {
+		if next[id] == nil {
 			s := strconv.Itoa(id)
 			m.usageRate.DeleteLabelValues(s)
 			m.usageLimit.DeleteLabelValues(s)
 		}
 	}
-	m.services = next
+	m.services.Store(&next)
+}
+
+// bindService creates the event series of a service at zero.
+func (m *Metrics) bindService(id int) *serviceCounters {
+	s := strconv.Itoa(id)
+	c := &serviceCounters{ejections: m.ejections.WithLabelValues(s)}
+	for _, r := range m.reasons {
+		c.failures = append(c.failures, m.failures.WithLabelValues(s, r))
+	}
+	for _, r := range RotationResults() {
+		c.rotations = append(c.rotations, m.rotations.WithLabelValues(s, r))
+	}
+	return c
 }
 
 // UpstreamFailure counts a failure of an upstream of service. Only the
 // classes of pool.FailureReasons() are counted: the other results
 // (ok, destination_error, canceled) say nothing about the upstream.
 func (m *Metrics) UpstreamFailure(service int, reason string) {
-	if !slices.Contains(m.reasons, reason) {
+	i := slices.Index(m.reasons, reason)
+	if i < 0 {
 		return
 	}
-	m.failures.WithLabelValues(strconv.Itoa(service), reason).Inc()
+	if c := (*m.services.Load())[service]; c != nil {
+		c.failures[i].Inc()
+		return
+	}
+	m.failures.WithLabelValues(strconv.Itoa(service), reason).Inc() // not served (any more)
 }
 
 // Ejection counts an ejection of an upstream of service.
 func (m *Metrics) Ejection(service int) {
+	if c := (*m.services.Load())[service]; c != nil {
+		c.ejections.Inc()
+		return
+	}
 	m.ejections.WithLabelValues(strconv.Itoa(service)).Inc()
 }
 
 // Rotation counts a sticky rotation of a session of service; result is one
 // of RotationResults(), anything else counts as "error".
 func (m *Metrics) Rotation(service int, result string) {
-	if !slices.Contains(RotationResults(), result) {
+	results := RotationResults()
+	i := slices.Index(results, result)
+	if i < 0 {
 		result = "error"
+		i = slices.Index(results, result)
+	}
+	if c := (*m.services.Load())[service]; c != nil {
+		c.rotations[i].Inc()
+		return
 	}
 	m.rotations.WithLabelValues(strconv.Itoa(service), result).Inc()
 }
@@ -368,10 +405,6 @@ func (m *Metrics) SetStateTime(t time.Time) {
 	}
 	m.stateTime.Store(t.UnixNano())
 }
-
-// StateSaved is SetStateTime named for its call site: the pool state taken
-// at t was just saved.
-func (m *Metrics) StateSaved(t time.Time) { m.SetStateTime(t) }
 
 // SetPoolSource sets the function that the scrape-time collector calls for
 // proxyd_upstreams, proxyd_listener_usable_upstreams and

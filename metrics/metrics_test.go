@@ -426,7 +426,7 @@ func TestConfigReloadAndState(t *testing.T) {
 	if got := testutil.ToFloat64(m.reloadOK); got != 1 {
 		t.Errorf("after a good reload: %v, want 1", got)
 	}
-	m.StateSaved(epoch.Add(-time.Hour))
+	m.SetStateTime(epoch.Add(-time.Hour))
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
 # HELP proxyd_state_age_seconds Age of the pool state being served: time since its provider data was fetched.
 # TYPE proxyd_state_age_seconds gauge
@@ -505,6 +505,44 @@ func TestObserverDoesNotAllocate(t *testing.T) {
 	if allocs != 0 {
 		t.Errorf("connection metrics allocate %v times per connection", allocs)
 	}
+}
+
+// The pool's hooks run on the connection path: for a served service they
+// count through series bound in advance, without allocating; a service
+// outside the served set is counted all the same.
+func TestServiceEventsDoNotAllocate(t *testing.T) {
+	_, m := newTestMetrics(t)
+	check := func(when string, want map[string]float64) {
+		t.Helper()
+		got := map[string]float64{
+			"failures 101":     testutil.ToFloat64(m.failures.WithLabelValues("101", "dial_refused")),
+			"ejections 101":    testutil.ToFloat64(m.ejections.WithLabelValues("101")),
+			"rate_limited 202": testutil.ToFloat64(m.rotations.WithLabelValues("202", "rate_limited")),
+			"ejections 303":    testutil.ToFloat64(m.ejections.WithLabelValues("303")),
+			"error 303":        testutil.ToFloat64(m.rotations.WithLabelValues("303", "error")),
+		}
+		for k, v := range want {
+			if got[k] != v {
+				t.Errorf("%s: %s = %v, want %v", when, k, got[k], v)
+			}
+		}
+	}
+	const runs = 1000
+	allocs := testing.AllocsPerRun(runs, func() {
+		m.UpstreamFailure(101, "dial_refused")
+		m.Ejection(101)
+		m.Rotation(202, "rate_limited")
+	})
+	if allocs != 0 {
+		t.Errorf("service events allocate %v times per round", allocs)
+	}
+	// AllocsPerRun runs the function once more to warm up.
+	check("served", map[string]float64{"failures 101": runs + 1, "ejections 101": runs + 1, "rate_limited 202": runs + 1})
+	m.SetServices([]int{202}) // 101 leaves: its counters stay and still count
+	m.UpstreamFailure(101, "dial_refused")
+	m.Ejection(303)
+	m.Rotation(303, "bogus")
+	check("not served", map[string]float64{"failures 101": runs + 2, "ejections 303": 1, "error 303": 1})
 }
 
 // BenchmarkConnectionMetrics is the metrics work of one connection: open,
