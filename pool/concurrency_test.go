@@ -106,7 +106,7 @@ func TestConcurrentPickReportUpdateRotate(t *testing.T) {
 
 		const workers, rounds = 64, 300
 		var wg sync.WaitGroup
-		var picked, bads atomic.Int64
+		var picked atomic.Int64
 		listeners := []string{"all", "http", "ppr"}
 		results := []Result{Success, Success, Success, DialRefused, DestinationError, Canceled, HandshakeTimeout}
 		for w := range workers {
@@ -131,7 +131,6 @@ func TestConcurrentPickReportUpdateRotate(t *testing.T) {
 						}
 						picked.Add(1)
 						if excluded(u) {
-							bads.Add(1)
 							t.Errorf("worker %d round %d: picked provider-excluded %s", w, i, u.ID())
 						}
 						r := results[rng.IntN(len(results))]
