@@ -79,7 +79,7 @@ func cmdAPI(ctx context.Context, args []string, io stdio) int {
 	var err error
 	if *cfgPath != "" {
 		token, login, password, _, err = api.credential(io.getenv)
-	} else if token = strings.TrimSpace(io.getenv("PROXYD_API_TOKEN")); token == "" {
+	} else if token = strings.TrimSpace(io.getenv(agent.TokenEnv)); token == "" {
 		// A quick call without a file: only the environment counts.
 		err = errors.New("set PROXYD_API_TOKEN or use -config")
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/BurntSushi/toml"
 
+	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/forward"
 )
 
@@ -261,12 +262,16 @@ func (c *config) validate() configErrors {
 	if c.API.Password != "" && c.API.PasswordFile != "" {
 		fail("api.password_file", "set either password or password_file, not both")
 	}
-	for key, d := range map[string]duration{
-		"poll.ip_list": c.Poll.IPList, "poll.network_status": c.Poll.NetworkStatus,
-		"poll.usage": c.Poll.Usage, "poll.account": c.Poll.Account,
+	// Slices, not maps, so that `check` lists problems in a fixed order.
+	for _, p := range []struct {
+		key string
+		d   duration
+	}{
+		{"poll.ip_list", c.Poll.IPList}, {"poll.network_status", c.Poll.NetworkStatus},
+		{"poll.usage", c.Poll.Usage}, {"poll.account", c.Poll.Account},
 	} {
-		if d.D() < time.Second {
-			fail(key, "must be at least 1s, got %s", d)
+		if p.d.D() < time.Second {
+			fail(p.key, "must be at least 1s, got %s", p.d)
 		}
 	}
 	if c.Poll.Jitter < 0 || c.Poll.Jitter > 0.5 {
@@ -381,13 +386,16 @@ func (c *config) validateListeners() configErrors {
 				fail(fmt.Sprintf("%s.allow_destinations[%d]", p, j), "%v", err)
 			}
 		}
-		for key, d := range map[string]duration{
-			"header_timeout": l.HeaderTimeout, "dial_timeout": l.DialTimeout,
-			"handshake_timeout": l.HandshakeTimeout, "idle_timeout": l.IdleTimeout,
-			"retry_timeout": l.RetryTimeout,
+		for _, t := range []struct {
+			key string
+			d   duration
+		}{
+			{"header_timeout", l.HeaderTimeout}, {"dial_timeout", l.DialTimeout},
+			{"handshake_timeout", l.HandshakeTimeout}, {"idle_timeout", l.IdleTimeout},
+			{"retry_timeout", l.RetryTimeout},
 		} {
-			if d.D() <= 0 {
-				fail(p+"."+key, "must be positive, got %s", d)
+			if t.d.D() <= 0 {
+				fail(p+"."+t.key, "must be positive, got %s", t.d)
 			}
 		}
 		if l.Retries < 0 || l.Retries > 10 {
@@ -431,8 +439,8 @@ func parsePrefix(s string) (netip.Prefix, error) {
 // login with password or password_file. It returns the token, or login and
 // password; source names where it came from (for logs, never the value).
 func (c *apiConfig) credential(getenv func(string) string) (token, login, password, source string, err error) {
-	if t := strings.TrimSpace(getenv("PROXYD_API_TOKEN")); t != "" {
-		return t, "", "", "PROXYD_API_TOKEN", nil
+	if t := strings.TrimSpace(getenv(agent.TokenEnv)); t != "" {
+		return t, "", "", agent.TokenEnv, nil
 	}
 	if c.TokenFile != "" {
 		t, err := readSecretFile(c.TokenFile)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -56,6 +57,11 @@ func TestConfigFiles(t *testing.T) {
 	if err != nil || len(files) == 0 {
 		t.Fatalf("no testdata: %v", err)
 	}
+	for name := range want {
+		if !slices.Contains(files, filepath.Join("testdata", "config", name)) {
+			t.Errorf("testdata/config/%s is missing: its expectation is not checked", name)
+		}
+	}
 	for _, f := range files {
 		name := filepath.Base(f)
 		t.Run(name, func(t *testing.T) {
@@ -78,6 +84,44 @@ func TestConfigFiles(t *testing.T) {
 				t.Errorf("problems:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(exp, "\n"))
 			}
 		})
+	}
+}
+
+// TestConfigProblemOrder: problems come in the order of the keys, the same
+// on every run, so that `check` output can be compared.
+func TestConfigProblemOrder(t *testing.T) {
+	text := `
+[poll]
+ip_list = "500ms"
+network_status = "500ms"
+usage = "500ms"
+account = "500ms"
+[[listener]]
+name = "a"
+protocol = "http"
+address = "127.0.0.1:1"
+header_timeout = "0s"
+dial_timeout = "0s"
+handshake_timeout = "0s"
+idle_timeout = "0s"
+retry_timeout = "0s"
+`
+	want := strings.Join([]string{
+		"poll.ip_list: must be at least 1s, got 500ms",
+		"poll.network_status: must be at least 1s, got 500ms",
+		"poll.usage: must be at least 1s, got 500ms",
+		"poll.account: must be at least 1s, got 500ms",
+		"listener[0].header_timeout: must be positive, got 0s",
+		"listener[0].dial_timeout: must be positive, got 0s",
+		"listener[0].handshake_timeout: must be positive, got 0s",
+		"listener[0].idle_timeout: must be positive, got 0s",
+		"listener[0].retry_timeout: must be positive, got 0s",
+	}, "\n")
+	for i := 0; i < 20; i++ { // map iteration would shuffle them
+		_, err := parseConfig(text)
+		if err == nil || err.Error() != want {
+			t.Fatalf("run %d: problems:\n%v\nwant:\n%s", i, err, want)
+		}
 	}
 }
 

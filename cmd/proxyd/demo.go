@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/agent/providersim"
 )
 
@@ -229,7 +230,7 @@ func cmdDemo(ctx context.Context, args []string, io stdio) int {
 
 	logger, _ := newLogger(logConfig{Level: "info", Format: "text"}, io.err)
 	cfg := demoConfig(w, *httpAddr, *socksAddr, *adminAddr, filepath.Join(stateDir, "state"))
-	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
+	env := map[string]string{agent.TokenEnv: providersim.DefaultToken}
 	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: logger})
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)
