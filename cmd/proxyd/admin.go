@@ -141,17 +141,13 @@ func (d *daemon) servePool(w http.ResponseWriter, r *http.Request) {
 	}
 	if name := q.Get("listener"); name != "" {
 		d.mu.Lock()
-		var slice *pool.ListenerSlice
-		for _, s := range listenerSlices(d.cfg.Listener) {
-			if s.Name == name {
-				slice = &s
-			}
-		}
+		lc, ok := d.cfg.listenerNamed(name)
 		d.mu.Unlock()
-		if slice == nil {
+		if !ok {
 			http.Error(w, "unknown listener", http.StatusNotFound)
 			return
 		}
+		slice := listenerSlices([]listenerConfig{lc})[0]
 		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return !slice.Covers(u.Service, u.Kind, u.Protocol) })
 		ex.Listeners = slices.DeleteFunc(ex.Listeners, func(l pool.ListenerExplanation) bool { return l.Name != name })
 	}
