@@ -534,11 +534,7 @@ func (d *daemon) apply(agent.Snapshot) {
 		}
 		known[st.ID] = true
 		for _, u := range st.Upstreams() {
-			next = append(next, pool.Upstream{
-				Service: u.Service, Kind: pool.Kind(u.Kind), Protocol: pool.Protocol(u.Protocol),
-				Address: u.Address, Username: u.Username, Password: u.Password,
-				Server: u.Server, Session: u.Session, ExitIP: u.ExitIP,
-			})
+			next = append(next, poolUpstream(u))
 		}
 	}
 	dropped := map[int]bool{}
@@ -675,8 +671,7 @@ func (d *daemon) loadState() {
 	}
 	ups := make([]pool.Upstream, 0, len(st.Upstreams))
 	for _, u := range st.Upstreams {
-		ups = append(ups, pool.Upstream{Service: u.Service, Kind: pool.Kind(u.Kind), Protocol: pool.Protocol(u.Protocol),
-			Address: u.Address, Username: u.Username, Password: u.Password, Server: u.Server, Session: u.Session, ExitIP: u.ExitIP})
+		ups = append(ups, poolUpstream(agent.UpstreamSpec(u)))
 	}
 	d.pool.Update(ups)
 	for id, s := range st.Status {

@@ -25,6 +25,8 @@ type savedState struct {
 	Quota     map[int]bool        `json:"quota,omitempty"`
 }
 
+// savedUpstream has the fields of agent.UpstreamSpec, in their JSON names, so
+// that loading converts it to one (and fails to compile when they part).
 type savedUpstream struct {
 	Service  int    `json:"service"`
 	Kind     string `json:"kind"`

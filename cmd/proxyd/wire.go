@@ -35,6 +35,17 @@ func poolConfig(c poolSection) pool.Config {
 	}
 }
 
+// poolUpstream is the pool's upstream for one the agent derived, unchanged.
+// The state file's savedUpstream has the same fields and converts to
+// agent.UpstreamSpec.
+func poolUpstream(u agent.UpstreamSpec) pool.Upstream {
+	return pool.Upstream{
+		Service: u.Service, Kind: pool.Kind(u.Kind), Protocol: pool.Protocol(u.Protocol),
+		Address: u.Address, Username: u.Username, Password: u.Password,
+		Server: u.Server, Session: u.Session, ExitIP: u.ExitIP,
+	}
+}
+
 // upstream is how the listener's upstreams are dialed: its own protocol
 // unless set.
 func (l listenerConfig) upstream() string { return cmp.Or(l.Upstream, l.Protocol) }
