@@ -321,7 +321,10 @@ func TestDaemonRestartServesFromState(t *testing.T) {
 	if err != nil || saved == nil || len(saved.Upstreams) == 0 || len(saved.Status[demoFPR].Errored) != 1 {
 		t.Fatalf("saved state: %+v %v", saved, err)
 	}
-	fi, _ := os.Stat(filepath.Join(state, stateFileName))
+	fi, err := os.Stat(filepath.Join(state, stateFileName))
+	if err != nil {
+		t.Fatal(err)
+	}
 	if fi.Mode().Perm() != 0o600 {
 		t.Errorf("state file mode %v, want 0600", fi.Mode().Perm())
 	}
@@ -341,10 +344,17 @@ func TestDaemonRestartServesFromState(t *testing.T) {
 	e2.mustGet("socks", "")
 	// The provider's last word survives the restart: the errored upstream
 	// stays out, and the file keeps it.
+	found := false
 	for _, u := range e2.poolState().Upstreams {
-		if u.Address == w.fprHTTP[0].Addr() && u.State != pool.ProviderError {
-			t.Errorf("%s after restart: %s, want provider_error", u.ID, u.State)
+		if u.Address == w.fprHTTP[0].Addr() {
+			found = true
+			if u.State != pool.ProviderError {
+				t.Errorf("%s after restart: %s, want provider_error", u.ID, u.State)
+			}
 		}
+	}
+	if !found {
+		t.Error("the errored upstream is missing from /pool after the restart")
 	}
 	if again, _ := readState(state); again == nil || len(again.Status[demoFPR].Errored) != 1 {
 		t.Errorf("the restart with the API down lost the saved status: %+v", again)
@@ -484,10 +494,17 @@ func TestDaemonQuotaMovesTrafficElsewhere(t *testing.T) {
 	if after != before {
 		t.Errorf("the ppr gateway took %d connections at its usage limit", after-before)
 	}
+	ppr := 0
 	for _, u := range e.poolState().Upstreams {
-		if u.Service == demoPPR && u.State != pool.Quota {
-			t.Errorf("%s: state %s, want quota", u.ID, u.State)
+		if u.Service == demoPPR {
+			ppr++
+			if u.State != pool.Quota {
+				t.Errorf("%s: state %s, want quota", u.ID, u.State)
+			}
 		}
+	}
+	if ppr == 0 {
+		t.Errorf("no upstream of service %d in /pool", demoPPR)
 	}
 	_, body := e.admin("/metrics")
 	if !strings.Contains(body, `proxyd_usage_limit{service="102"} 1024`) {
