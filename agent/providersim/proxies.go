@@ -265,8 +265,13 @@ func (p *Proxy) forward(c net.Conn, req *http.Request) bool {
 func pipe(c net.Conn, br *bufio.Reader, up net.Conn) {
 	done := make(chan struct{}, 2)
 	cp := func(dst net.Conn, src io.Reader) {
-		io.Copy(dst, src)
-		if tc, ok := dst.(*net.TCPConn); ok {
+		if _, err := io.Copy(dst, src); err != nil {
+			// Not an end of stream: a connection was closed (Down) or
+			// failed. Close both, or the other direction would wait on a
+			// peer that may never close its side.
+			c.Close()
+			up.Close()
+		} else if tc, ok := dst.(*net.TCPConn); ok {
 			tc.CloseWrite()
 		}
 		done <- struct{}{}

@@ -1,12 +1,15 @@
 package providersim
 
 import (
+	"bufio"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
 	"testing"
+	"time"
 
 	"golang.org/x/net/proxy"
 )
@@ -85,4 +88,49 @@ func TestProxiesRelay(t *testing.T) {
 		t.Fatalf("after Up: %q", body)
 	}
 	c.CloseIdleConnections()
+}
+
+// Down ends open tunnels even when their destination keeps its side open:
+// the demo and the daemon's tests take upstreams down mid-tunnel.
+func TestProxyDownEndsOpenTunnels(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	held := make(chan net.Conn, 1)
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			held <- c // never closed before the test ends, never read
+		}
+	}()
+	hp, err := StartProxy("http", "127.0.0.1:0", "h1", "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hp.Close()
+	c, err := net.Dial("tcp", hp.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %[1]s\r\n\r\n", ln.Addr())
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if resp, err := http.ReadResponse(bufio.NewReader(c), &http.Request{Method: http.MethodConnect}); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %v %v", resp, err)
+	}
+	var dest net.Conn
+	select {
+	case dest = <-held:
+		defer dest.Close()
+	case <-time.After(5 * time.Second):
+		t.Fatal("the destination saw no connection")
+	}
+	down := make(chan struct{})
+	go func() { hp.Down(); close(down) }()
+	select {
+	case <-down:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Down waits for a tunnel whose destination stays open")
+	}
 }
