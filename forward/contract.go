@@ -24,15 +24,16 @@ type Pool interface {
 type Outcome uint8
 
 const (
-	OutcomeOK            Outcome = iota // relayed
-	OutcomeUpstreamError                // every upstream tried failed, or the destination failed
-	OutcomeNoUpstream                   // the pool had nothing usable
-	OutcomeDenied                       // auth, allow-list, refused destination, connection cap
-	OutcomeClientError                  // malformed request, client went away before it was served
+	OutcomeOK               Outcome = iota // relayed
+	OutcomeUpstreamError                   // every upstream tried failed, or the destination failed
+	OutcomeNoUpstream                      // the pool had nothing usable
+	OutcomeDenied                          // auth, allow-list, refused destination, connection cap
+	OutcomeClientError                     // malformed request, client went away before it was served
+	OutcomeDestinationError                // the upstream worked; the destination refused, failed or did not answer in time
 	NumOutcomes
 )
 
-var outcomeNames = [NumOutcomes]string{"ok", "upstream_error", "no_upstream", "denied", "client_error"}
+var outcomeNames = [NumOutcomes]string{"ok", "upstream_error", "no_upstream", "denied", "client_error", "destination_error"}
 
 func (o Outcome) String() string {
 	if o < NumOutcomes {
@@ -48,4 +49,5 @@ type Observer interface {
 	Opened()                                       // a client connection was accepted
 	Closed(o Outcome, up, down int64, retries int) // it ended; bytes client→upstream (up) and back (down)
 	Dialed(p pool.Protocol, took time.Duration)    // a successful dial + handshake through an upstream
+	Hedged()                                       // a plain request was also sent through one more upstream
 }

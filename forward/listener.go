@@ -108,6 +108,7 @@ type nopObserver struct{}
 func (nopObserver) Opened()                             {}
 func (nopObserver) Closed(Outcome, int64, int64, int)   {}
 func (nopObserver) Dialed(pool.Protocol, time.Duration) {}
+func (nopObserver) Hedged()                             {}
 
 // Addr is the address Serve listens on, or nil before Serve.
 func (l *Listener) Addr() net.Addr {

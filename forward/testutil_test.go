@@ -177,6 +177,7 @@ type testObserver struct {
 	opened int
 	closed []closedRec
 	dialed int
+	hedged int
 }
 
 func (o *testObserver) Opened() { o.mu.Lock(); o.opened++; o.mu.Unlock() }
@@ -186,6 +187,7 @@ func (o *testObserver) Closed(oc Outcome, up, down int64, retries int) {
 	o.mu.Unlock()
 }
 func (o *testObserver) Dialed(pool.Protocol, time.Duration) { o.mu.Lock(); o.dialed++; o.mu.Unlock() }
+func (o *testObserver) Hedged()                             { o.mu.Lock(); o.hedged++; o.mu.Unlock() }
 
 func (o *testObserver) Closeds() []closedRec {
 	o.mu.Lock()

@@ -36,6 +36,7 @@ type listenerObserver struct {
 	up      atomic.Uint64
 	down    atomic.Uint64
 	retries atomic.Uint64
+	hedged  atomic.Uint64
 	dial    [len(dialProtocols)]dialHistogram
 }
 
@@ -68,6 +69,9 @@ func (l *listenerObserver) Closed(o forward.Outcome, up, down int64, retries int
 	}
 }
 
+// Hedged counts a plain request sent through one more upstream.
+func (l *listenerObserver) Hedged() { l.hedged.Add(1) }
+
 // Dialed records a successful dial; an unknown protocol is ignored.
 func (l *listenerObserver) Dialed(p pool.Protocol, took time.Duration) {
 	k := slices.Index(dialProtocols[:], p)
@@ -88,7 +92,7 @@ func (l *listenerObserver) Dialed(p pool.Protocol, took time.Duration) {
 type connCollector struct {
 	m *Metrics
 
-	connections, active, bytes, retries, dial *prometheus.Desc
+	connections, active, bytes, retries, hedged, dial *prometheus.Desc
 }
 
 func newConnCollector(m *Metrics) *connCollector {
@@ -102,13 +106,15 @@ func newConnCollector(m *Metrics) *connCollector {
 			"Bytes relayed, by listener and direction (up: client to upstream, down: back).", []string{"listener", "direction"}, nil),
 		retries: prometheus.NewDesc("proxyd_retries_total",
 			"Further upstreams tried after a failed dial or handshake, by listener.", []string{"listener"}, nil),
+		hedged: prometheus.NewDesc("proxyd_hedged_requests_total",
+			"Plain requests also sent through one more upstream after the hedge delay without an answer head, by listener.", []string{"listener"}, nil),
 		dial: prometheus.NewDesc("proxyd_upstream_dial_seconds",
 			"Time of a successful dial and proxy handshake through an upstream, by upstream protocol.", []string{"protocol"}, nil),
 	}
 }
 
 func (c *connCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connections, c.active, c.bytes, c.retries, c.dial} {
+	for _, d := range []*prometheus.Desc{c.connections, c.active, c.bytes, c.retries, c.hedged, c.dial} {
 		ch <- d
 	}
 }
@@ -140,6 +146,7 @@ func (c *connCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.up.Load()), l.name, "up")
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.down.Load()), l.name, "down")
 		ch <- prometheus.MustNewConstMetric(c.retries, prometheus.CounterValue, float64(l.retries.Load()), l.name)
+		ch <- prometheus.MustNewConstMetric(c.hedged, prometheus.CounterValue, float64(l.hedged.Load()), l.name)
 		for p := range l.dial {
 			// Sum after buckets, so the sum never lags the count it goes with.
 			for i := range l.dial[p].buckets {
