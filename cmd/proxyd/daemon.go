@@ -35,6 +35,7 @@ type daemon struct {
 	client  *agent.Client
 	poller  *agent.Poller
 	pool    *pool.Pool
+	events  *pool.EventLog // GET /events: what happened to upstreams, services, listeners and reloads
 
 	applyMu   sync.Mutex          // serializes apply
 	status    map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
@@ -76,6 +77,7 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 		logger, opts.level = newLogger(cfg.Log, os.Stderr)
 	}
 	d := &daemon{
+		events:    pool.NewEventLog(pool.DefaultEventLogSize, logger, nil),
 		log:       logger,
 		level:     opts.level,
 		getenv:    opts.getenv,
