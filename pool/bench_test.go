@@ -15,7 +15,7 @@ var benchSizes = []int{10, 1000, 100000}
 
 func benchPool(b *testing.B, strategy string, n int) (*Pool, []Upstream) {
 	b.Helper()
-	p, err := New(Config{Strategy: strategy}, Options{})
+	p, err := New(conf(func(c *Config) { c.Strategy = strategy }), Options{})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -169,7 +169,7 @@ func BenchmarkMemory(b *testing.B) {
 			var perUpstream, perKey float64
 			for i := 0; i < b.N; i++ {
 				before := heap()
-				p, err := New(Config{}, Options{})
+				p, err := New(DefaultConfig(), Options{})
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -30,7 +30,7 @@ func TestConcurrentPickReportUpdateRotate(t *testing.T) {
 	}}
 	var ejections atomic.Int64
 	func() {
-		p := newTestPool(t, Config{RotateWait: 20 * time.Millisecond, StickyMax: 500}, Options{
+		p := newTestPool(t, conf(func(c *Config) { c.RotateWait = 20 * time.Millisecond; c.StickyMax = 500 }), Options{
 			Now: clk.Now, Rotator: rot,
 			Hooks: Hooks{Ejected: func(int) { ejections.Add(1) }, Changed: func() {}},
 		})

@@ -1,11 +1,11 @@
 package pool
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"time"
 )
@@ -18,127 +18,162 @@ const (
 	Latency    = "latency"
 )
 
-// Config holds the pool's health and selection options. The zero value of
-// every field means its documented default; Validate rejects the rest.
+// Config is the [pool] section of the configuration file: health and
+// selection options. Each field's tag is its key in the file. Start from
+// DefaultConfig and change what the file sets: the pool uses the values it
+// is given, so a zero is that zero (its meaning is documented per field, or
+// Validate refuses it), never a default.
 type Config struct {
-	// Strategy picks among usable upstreams: "round-robin" (default),
-	// "random", "least-conn" (fewest in-flight connections) or "latency"
-	// (lowest moving average of dial + handshake time within a tolerance band).
-	Strategy string
+	// Strategy picks among usable upstreams: "round-robin", "random",
+	// "least-conn" (fewest in-flight connections) or "latency" (lowest
+	// moving average of dial + handshake time within a tolerance band).
+	Strategy string `toml:"strategy"`
 	// FailureThreshold is how many consecutive upstream failures eject an
-	// upstream. Default 3.
-	FailureThreshold int
+	// upstream. At least 1.
+	FailureThreshold int `toml:"failure_threshold"`
 	// EjectBase is the first ejection's duration; the k-th lasts
-	// EjectBase × 2^(k-1), ±20 % jitter, at most EjectMax. Default 30s.
-	EjectBase time.Duration
-	// EjectMax caps an ejection. Default 5m.
-	EjectMax time.Duration
-	// MaxEjectedShare is the share (0–1] of a listener slice's usable
-	// upstreams that may be ejected at once; past it the slice is in panic
-	// mode and failing upstreams stay in. Default 0.5.
-	MaxEjectedShare float64
+	// EjectBase × 2^(k-1), ±20 % jitter, at most EjectMax. Positive.
+	EjectBase time.Duration `toml:"eject_base"`
+	// EjectMax caps an ejection; at least EjectBase. A healthy stretch this
+	// long after a re-admission also forgets the ejection history.
+	EjectMax time.Duration `toml:"eject_max"`
+	// MaxEjectedPercent is the percentage (0–100) of a listener slice's
+	// usable upstreams (those the provider does not exclude) that may be
+	// ejected at once, rounded down. Past it a failing upstream stays in
+	// with its failures counted, and the slice is in panic mode rather
+	// than failing every client. 0 never ejects: every upstream that
+	// reaches FailureThreshold stays in, and its listeners show panic mode
+	// while it keeps failing.
+	MaxEjectedPercent int `toml:"max_ejected_percent"`
 	// LatencyTolerance is the band of the latency strategy: any upstream
 	// whose average is within (1+LatencyTolerance) × the best one's is as
-	// good as the best, so load does not herd onto one upstream. Default 0.2.
-	LatencyTolerance float64
+	// good as the best, so load does not herd onto one upstream. 0 keeps
+	// only the best (and upstreams exactly as fast). Not negative.
+	LatencyTolerance float64 `toml:"latency_tolerance"`
 	// StickyIdle is how long an unused sticky key keeps its upstream.
-	// Default 30m.
-	StickyIdle time.Duration
+	// Positive (sticky_max = 0 is how stickiness is turned off).
+	StickyIdle time.Duration `toml:"sticky_idle"`
 	// StickyMax is the size of the sticky table; past it the least recently
-	// used keys are evicted. Default 100000.
-	StickyMax int
+	// used keys are evicted. 0 turns stickiness off: a sticky key is
+	// accepted and ignored, and each connection takes the strategy's pick.
+	StickyMax int `toml:"sticky_max"`
 	// RotateInterval is the least time between two rotations of one ppr
-	// sticky session. Default 30s.
-	RotateInterval time.Duration
+	// sticky session. 0: no pause of proxyd's own; a session is rotated
+	// again on its next failure once its last rotation ended (the
+	// provider's own limit still applies).
+	RotateInterval time.Duration `toml:"rotate_interval"`
 	// RotateWait bounds how long a pick for a key whose session is rotating
 	// waits for the rotation before it uses another upstream for that one
-	// connection. Default 5s.
-	RotateWait time.Duration
-	// RotateTimeout bounds one call of the Rotator. Default 30s.
-	RotateTimeout time.Duration
-	// ProbeInterval is the period of the active probe of ejected upstreams.
-	// Zero (the default) leaves active probing off.
-	ProbeInterval time.Duration
-	// ProbeBudget is the most probes per minute. Default 10.
-	ProbeBudget int
-	// ProbeTimeout bounds one probe. Default 10s.
-	ProbeTimeout time.Duration
+	// connection. 0: such a pick does not wait.
+	RotateWait time.Duration `toml:"rotate_wait"`
+	// RotateTimeout bounds one rotation request to the provider. Positive.
+	RotateTimeout time.Duration `toml:"rotate_timeout"`
+	// ProbeInterval is the period of the active probe of ejected upstreams
+	// (a dial and handshake through each, so that a recovered upstream
+	// returns without waiting for a client's trial connection). 0 leaves
+	// active probing off.
+	ProbeInterval time.Duration `toml:"probe_interval"`
+	// ProbeBudget is the most probes per minute; at least 1 while
+	// ProbeInterval is set, unused otherwise.
+	ProbeBudget int `toml:"probe_budget"`
+	// ProbeTimeout bounds one probe. Positive.
+	ProbeTimeout time.Duration `toml:"probe_timeout"`
+	// QuotaHeadroom: a ppr service counts as over quota once its usage
+	// rate reaches QuotaHeadroom × its limit; it then takes no new
+	// connections while another service can serve the listener. 1 leaves
+	// it in until the limit itself; 0.8 moves traffic off at 80 %, so that
+	// it spills over before the limit. Above 1 keeps it serving past its
+	// limit (for a provider that lets usage run over). Positive.
+	QuotaHeadroom float64 `toml:"quota_headroom"`
 }
 
-// Defaults of Config's zero fields.
-const (
-	DefaultFailureThreshold = 3
-	DefaultEjectBase        = 30 * time.Second
-	DefaultEjectMax         = 5 * time.Minute
-	DefaultMaxEjectedShare  = 0.5
-	DefaultLatencyTolerance = 0.2
-	DefaultStickyIdle       = 30 * time.Minute
-	DefaultStickyMax        = 100000
-	DefaultRotateInterval   = 30 * time.Second
-	DefaultRotateWait       = 5 * time.Second
-	DefaultRotateTimeout    = 30 * time.Second
-	DefaultProbeBudget      = 10
-	DefaultProbeTimeout     = 10 * time.Second
-)
+// DefaultConfig returns the defaults of every option: what an absent key
+// means.
+func DefaultConfig() Config {
+	return Config{
+		Strategy:          RoundRobin,
+		FailureThreshold:  3,
+		EjectBase:         30 * time.Second,
+		EjectMax:          5 * time.Minute,
+		MaxEjectedPercent: 50,
+		LatencyTolerance:  0.2,
+		StickyIdle:        30 * time.Minute,
+		StickyMax:         100000,
+		RotateInterval:    30 * time.Second,
+		RotateWait:        5 * time.Second,
+		RotateTimeout:     30 * time.Second,
+		ProbeInterval:     0,
+		ProbeBudget:       10,
+		ProbeTimeout:      10 * time.Second,
+		QuotaHeadroom:     1.0,
+	}
+}
 
-// Validate reports the first problem of c, naming the option.
+// Validate reports every problem of c, each as an error whose text starts
+// with the key as written in the file, joined with errors.Join; nil when
+// there is none.
 func (c Config) Validate() error {
+	var errs []error
+	bad := func(key, format string, args ...any) {
+		errs = append(errs, fmt.Errorf(key+": "+format, args...))
+	}
 	switch c.Strategy {
-	case "", RoundRobin, Random, LeastConn, Latency:
+	case RoundRobin, Random, LeastConn, Latency:
 	default:
-		return fmt.Errorf("strategy: must be round-robin, random, least-conn or latency, got %q", c.Strategy)
+		bad("strategy", "must be round-robin, random, least-conn or latency, got %q", c.Strategy)
+	}
+	if c.FailureThreshold < 1 {
+		bad("failure_threshold", "must be at least 1, got %d", c.FailureThreshold)
+	}
+	if c.EjectBase <= 0 {
+		bad("eject_base", "must be positive, got %s", c.EjectBase)
 	}
 	switch {
-	case c.FailureThreshold < 0:
-		return fmt.Errorf("failure_threshold: must not be negative, got %d", c.FailureThreshold)
-	case c.EjectBase < 0:
-		return fmt.Errorf("eject_base: must not be negative, got %s", c.EjectBase)
-	case c.EjectMax < 0:
-		return fmt.Errorf("eject_max: must not be negative, got %s", c.EjectMax)
-	case !(c.MaxEjectedShare >= 0 && c.MaxEjectedShare <= 1): // NaN too
-		return fmt.Errorf("max_ejected_share: must be within 0–1, got %g", c.MaxEjectedShare)
+	case c.EjectMax <= 0:
+		bad("eject_max", "must be positive, got %s", c.EjectMax)
+	case c.EjectBase > 0 && c.EjectMax < c.EjectBase:
+		bad("eject_max", "must not be less than eject_base (%s), got %s", c.EjectBase, c.EjectMax)
+	}
+	if c.MaxEjectedPercent < 0 || c.MaxEjectedPercent > 100 {
+		bad("max_ejected_percent", "must be within 0–100, got %d", c.MaxEjectedPercent)
+	}
+	switch {
 	case !(c.LatencyTolerance >= 0): // NaN too
-		return fmt.Errorf("latency_tolerance: must not be negative, got %g", c.LatencyTolerance)
-	case c.StickyIdle < 0:
-		return fmt.Errorf("sticky_idle: must not be negative, got %s", c.StickyIdle)
-	case c.StickyMax < 0:
-		return fmt.Errorf("sticky_max: must not be negative, got %d", c.StickyMax)
-	case c.RotateInterval < 0:
-		return fmt.Errorf("rotate_interval: must not be negative, got %s", c.RotateInterval)
-	case c.RotateWait < 0:
-		return fmt.Errorf("rotate_wait: must not be negative, got %s", c.RotateWait)
-	case c.RotateTimeout < 0:
-		return fmt.Errorf("rotate_timeout: must not be negative, got %s", c.RotateTimeout)
-	case c.ProbeInterval < 0:
-		return fmt.Errorf("probe_interval: must not be negative, got %s", c.ProbeInterval)
+		bad("latency_tolerance", "must not be negative, got %g", c.LatencyTolerance)
+	case math.IsInf(c.LatencyTolerance, 0):
+		bad("latency_tolerance", "must be finite, got %g", c.LatencyTolerance)
+	}
+	if c.StickyIdle <= 0 {
+		bad("sticky_idle", "must be positive (sticky_max = 0 turns stickiness off), got %s", c.StickyIdle)
+	}
+	if c.StickyMax < 0 {
+		bad("sticky_max", "must not be negative, got %d", c.StickyMax)
+	}
+	if c.RotateInterval < 0 {
+		bad("rotate_interval", "must not be negative, got %s", c.RotateInterval)
+	}
+	if c.RotateWait < 0 {
+		bad("rotate_wait", "must not be negative, got %s", c.RotateWait)
+	}
+	if c.RotateTimeout <= 0 {
+		bad("rotate_timeout", "must be positive, got %s", c.RotateTimeout)
+	}
+	if c.ProbeInterval < 0 {
+		bad("probe_interval", "must not be negative, got %s", c.ProbeInterval)
+	}
+	switch {
 	case c.ProbeBudget < 0:
-		return fmt.Errorf("probe_budget: must not be negative, got %d", c.ProbeBudget)
-	case c.ProbeTimeout < 0:
-		return fmt.Errorf("probe_timeout: must not be negative, got %s", c.ProbeTimeout)
+		bad("probe_budget", "must not be negative, got %d", c.ProbeBudget)
+	case c.ProbeBudget == 0 && c.ProbeInterval > 0:
+		bad("probe_budget", "must be at least 1 while probe_interval is set, got 0")
 	}
-	d := c.withDefaults()
-	if d.EjectMax < d.EjectBase {
-		return fmt.Errorf("eject_max: must not be less than eject_base (%s), got %s", d.EjectBase, d.EjectMax)
+	if c.ProbeTimeout <= 0 {
+		bad("probe_timeout", "must be positive, got %s", c.ProbeTimeout)
 	}
-	return nil
-}
-
-// withDefaults returns c with every zero field set to its default.
-func (c Config) withDefaults() Config {
-	c.Strategy = cmp.Or(c.Strategy, RoundRobin)
-	c.FailureThreshold = cmp.Or(c.FailureThreshold, DefaultFailureThreshold)
-	c.EjectBase = cmp.Or(c.EjectBase, DefaultEjectBase)
-	c.EjectMax = cmp.Or(c.EjectMax, DefaultEjectMax)
-	c.MaxEjectedShare = cmp.Or(c.MaxEjectedShare, DefaultMaxEjectedShare)
-	c.LatencyTolerance = cmp.Or(c.LatencyTolerance, DefaultLatencyTolerance)
-	c.StickyIdle = cmp.Or(c.StickyIdle, DefaultStickyIdle)
-	c.StickyMax = cmp.Or(c.StickyMax, DefaultStickyMax)
-	c.RotateInterval = cmp.Or(c.RotateInterval, DefaultRotateInterval)
-	c.RotateWait = cmp.Or(c.RotateWait, DefaultRotateWait)
-	c.RotateTimeout = cmp.Or(c.RotateTimeout, DefaultRotateTimeout)
-	c.ProbeBudget = cmp.Or(c.ProbeBudget, DefaultProbeBudget)
-	c.ProbeTimeout = cmp.Or(c.ProbeTimeout, DefaultProbeTimeout)
-	return c
+	if !(c.QuotaHeadroom > 0) || math.IsInf(c.QuotaHeadroom, 0) { // NaN too
+		bad("quota_headroom", "must be a positive number, got %g", c.QuotaHeadroom)
+	}
+	return errors.Join(errs...)
 }
 
 // ListenerSlice names the part of the pool one listener draws from.

@@ -215,7 +215,7 @@ func (p *Pool) eject(h *host) {
 
 // ejectCap is how many members of sl may be ejected at once.
 func (p *Pool) ejectCap(sl *slice) int64 {
-	return int64(p.cfg.MaxEjectedShare * float64(sl.eligible.Load()))
+	return int64(p.cfg.MaxEjectedPercent) * sl.eligible.Load() / 100
 }
 
 // reeject extends the ejection of a probing upstream whose trial failed; it

@@ -10,7 +10,7 @@ import (
 func TestEjectionCountsOnlyUpstreamFaults(t *testing.T) {
 	var failures, ejections int
 	clk := newClock()
-	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Hooks: Hooks{
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Hooks: Hooks{
 		Failure: func(int, Result) { failures++ },
 		Ejected: func(int) { ejections++ },
 	}})
@@ -61,7 +61,7 @@ func midRand() uint64 { return 1 << 63 }
 
 func TestEjectionBackoffGrowsToCap(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Rand: midRand})
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Rand: midRand})
 	set := ups(1, 2)
 	p.Update(set)
 	u := handle(p, set[0])
@@ -104,7 +104,7 @@ func TestEjectionBackoffGrowsToCap(t *testing.T) {
 }
 
 func TestEjectionJitterBounds(t *testing.T) {
-	cfg := Config{EjectBase: 10 * time.Second, EjectMax: 100 * time.Second}
+	cfg := conf(func(c *Config) { c.EjectBase = 10 * time.Second; c.EjectMax = 100 * time.Second })
 	for _, tt := range []struct {
 		name string
 		rand func() uint64
@@ -149,7 +149,7 @@ func TestEjectionJitterBounds(t *testing.T) {
 
 func TestProbingOneTrialAtATime(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Rand: midRand})
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Rand: midRand})
 	set := ups(1, 3)
 	p.Update(set)
 	u := handle(p, set[0])
@@ -205,7 +205,7 @@ func TestProbingOneTrialAtATime(t *testing.T) {
 
 func TestEjectionCapAndPanic(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{}, Options{Now: clk.Now, Rand: midRand})
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rand: midRand})
 	set := ups(1, 4)
 	p.Update(set)
 	p.SetListeners([]ListenerSlice{{Name: "l"}})
@@ -273,7 +273,7 @@ func TestEjectionCapAndPanic(t *testing.T) {
 }
 
 func TestSingleUpstreamNeverEjected(t *testing.T) {
-	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	p := newTestPool(t, DefaultConfig(), Options{Now: newClock().Now})
 	p.Update(ups(1, 1))
 	for range 10 {
 		pickReport(t, p, Request{}, DialRefused)
@@ -291,7 +291,7 @@ func TestActiveProbe(t *testing.T) {
 		probed[u.ID()]++
 		return results[u.ID()]
 	})
-	p, err := New(Config{MaxEjectedShare: 1, ProbeInterval: time.Hour, ProbeBudget: 2}, Options{Now: clk.Now, Rand: midRand, Prober: prober})
+	p, err := New(conf(func(c *Config) { c.MaxEjectedPercent = 100; c.ProbeInterval = time.Hour; c.ProbeBudget = 2 }), Options{Now: clk.Now, Rand: midRand, Prober: prober})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -335,7 +335,7 @@ func (f proberFunc) Probe(ctx context.Context, u *Upstream) Result { return f(ct
 
 func TestProbingOneTrialUnderConcurrency(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Rand: midRand})
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Rand: midRand})
 	set := ups(1, 1)
 	p.Update(append(set, ups(2, 1)...))
 	u := handle(p, set[0])
@@ -379,7 +379,11 @@ func TestProbingOneTrialUnderConcurrency(t *testing.T) {
 // Without Options.Now the hot path reads the clock copy Run refreshes: an
 // ejection still ends on time.
 func TestEjectionEndsWithTheRealClock(t *testing.T) {
-	p := newTestPool(t, Config{EjectBase: 50 * time.Millisecond, EjectMax: time.Second, MaxEjectedShare: 1}, Options{})
+	p := newTestPool(t, conf(func(c *Config) {
+		c.EjectBase = 50 * time.Millisecond
+		c.EjectMax = time.Second
+		c.MaxEjectedPercent = 100
+	}), Options{})
 	set := ups(1, 2)
 	p.Update(set)
 	u := handle(p, set[0])
@@ -402,7 +406,7 @@ func TestEjectionEndsWithTheRealClock(t *testing.T) {
 
 func TestPanicIsPerSlice(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{}, Options{Now: clk.Now, Rand: midRand})
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rand: midRand})
 	set := ups(1, 10)
 	for i := 2; i < 10; i++ {
 		set[i].Protocol = SOCKS5

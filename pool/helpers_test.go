@@ -157,3 +157,10 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// conf returns DefaultConfig with set's changes.
+func conf(set func(c *Config)) Config {
+	c := DefaultConfig()
+	set(&c)
+	return c
+}

@@ -78,7 +78,6 @@ func New(cfg Config, opts Options) (*Pool, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("validating pool config: %w", err)
 	}
-	cfg = cfg.withDefaults()
 	if cfg.ProbeInterval > 0 && opts.Prober == nil {
 		return nil, fmt.Errorf("validating pool config: probe_interval is set but no prober was given")
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"math"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -13,42 +14,95 @@ import (
 
 func TestConfigValidate(t *testing.T) {
 	tests := []struct {
-		cfg  Config
+		set  func(c *Config)
 		want string
 	}{
-		{Config{}, ""},
-		{Config{Strategy: "latency", MaxEjectedShare: 1}, ""},
-		{Config{Strategy: "fastest"}, `strategy: must be round-robin, random, least-conn or latency, got "fastest"`},
-		{Config{FailureThreshold: -1}, "failure_threshold: must not be negative, got -1"},
-		{Config{EjectBase: -time.Second}, "eject_base: must not be negative, got -1s"},
-		{Config{MaxEjectedShare: 1.5}, "max_ejected_share: must be within 0–1, got 1.5"},
-		{Config{MaxEjectedShare: math.NaN()}, "max_ejected_share: must be within 0–1, got NaN"},
-		{Config{LatencyTolerance: math.NaN()}, "latency_tolerance: must not be negative, got NaN"},
-		{Config{EjectBase: time.Minute, EjectMax: time.Second}, "eject_max: must not be less than eject_base (1m0s), got 1s"},
-		{Config{EjectBase: 10 * time.Minute}, "eject_max: must not be less than eject_base (10m0s), got 5m0s"},
-		{Config{StickyMax: -5}, "sticky_max: must not be negative, got -5"},
-		{Config{RotateWait: -1}, "rotate_wait: must not be negative, got -1ns"},
-		{Config{ProbeBudget: -1}, "probe_budget: must not be negative, got -1"},
+		{func(c *Config) {}, ""},
+		{func(c *Config) { c.Strategy = "latency"; c.MaxEjectedPercent = 100 }, ""},
+		{func(c *Config) { c.Strategy = "fastest" }, `strategy: must be round-robin, random, least-conn or latency, got "fastest"`},
+		{func(c *Config) { c.Strategy = "" }, `strategy: must be round-robin, random, least-conn or latency, got ""`},
+		{func(c *Config) { c.FailureThreshold = -1 }, "failure_threshold: must be at least 1, got -1"},
+		{func(c *Config) { c.FailureThreshold = 0 }, "failure_threshold: must be at least 1, got 0"},
+		{func(c *Config) { c.EjectBase = -time.Second }, "eject_base: must be positive, got -1s"},
+		{func(c *Config) { c.EjectBase = 0 }, "eject_base: must be positive, got 0s"},
+		{func(c *Config) { c.EjectMax = 0 }, "eject_max: must be positive, got 0s"},
+		{func(c *Config) { c.MaxEjectedPercent = 150 }, "max_ejected_percent: must be within 0–100, got 150"},
+		{func(c *Config) { c.MaxEjectedPercent = -1 }, "max_ejected_percent: must be within 0–100, got -1"},
+		{func(c *Config) { c.MaxEjectedPercent = 0 }, ""}, // never eject
+		{func(c *Config) { c.LatencyTolerance = math.NaN() }, "latency_tolerance: must not be negative, got NaN"},
+		{func(c *Config) { c.LatencyTolerance = math.Inf(1) }, "latency_tolerance: must be finite, got +Inf"},
+		{func(c *Config) { c.LatencyTolerance = 0 }, ""}, // only the best
+		{func(c *Config) { c.EjectBase = time.Minute; c.EjectMax = time.Second }, "eject_max: must not be less than eject_base (1m0s), got 1s"},
+		{func(c *Config) { c.EjectBase = 10 * time.Minute }, "eject_max: must not be less than eject_base (10m0s), got 5m0s"},
+		{func(c *Config) { c.StickyMax = -5 }, "sticky_max: must not be negative, got -5"},
+		{func(c *Config) { c.StickyMax = 0 }, ""}, // stickiness off
+		{func(c *Config) { c.StickyIdle = 0 }, "sticky_idle: must be positive (sticky_max = 0 turns stickiness off), got 0s"},
+		{func(c *Config) { c.RotateInterval = 0; c.RotateWait = 0 }, ""},
+		{func(c *Config) { c.RotateInterval = -time.Second }, "rotate_interval: must not be negative, got -1s"},
+		{func(c *Config) { c.RotateWait = -1 }, "rotate_wait: must not be negative, got -1ns"},
+		{func(c *Config) { c.RotateTimeout = 0 }, "rotate_timeout: must be positive, got 0s"},
+		{func(c *Config) { c.ProbeInterval = -time.Second }, "probe_interval: must not be negative, got -1s"},
+		{func(c *Config) { c.ProbeBudget = -1 }, "probe_budget: must not be negative, got -1"},
+		{func(c *Config) { c.ProbeBudget = 0 }, ""}, // unused without probe_interval
+		{func(c *Config) { c.ProbeBudget = 0; c.ProbeInterval = time.Second }, "probe_budget: must be at least 1 while probe_interval is set, got 0"},
+		{func(c *Config) { c.ProbeTimeout = 0 }, "probe_timeout: must be positive, got 0s"},
+		{func(c *Config) { c.QuotaHeadroom = 0 }, "quota_headroom: must be a positive number, got 0"},
+		{func(c *Config) { c.QuotaHeadroom = math.NaN() }, "quota_headroom: must be a positive number, got NaN"},
+		{func(c *Config) { c.QuotaHeadroom = math.Inf(1) }, "quota_headroom: must be a positive number, got +Inf"},
+		{func(c *Config) { c.QuotaHeadroom = 0.5 }, ""},
+		{func(c *Config) { c.QuotaHeadroom = 1.5 }, ""},
+		// Every problem at once, in the order of the fields.
+		{func(c *Config) { *c = Config{} }, strings.Join([]string{
+			`strategy: must be round-robin, random, least-conn or latency, got ""`,
+			"failure_threshold: must be at least 1, got 0",
+			"eject_base: must be positive, got 0s",
+			"eject_max: must be positive, got 0s",
+			"sticky_idle: must be positive (sticky_max = 0 turns stickiness off), got 0s",
+			"rotate_timeout: must be positive, got 0s",
+			"probe_timeout: must be positive, got 0s",
+			"quota_headroom: must be a positive number, got 0",
+		}, "\n")},
 	}
 	for _, tt := range tests {
-		err := tt.cfg.Validate()
+		cfg := conf(tt.set)
+		err := cfg.Validate()
 		got := ""
 		if err != nil {
 			got = err.Error()
+			if n := len(err.(interface{ Unwrap() []error }).Unwrap()); n != strings.Count(got, "\n")+1 {
+				t.Errorf("Validate(%+v): %d joined errors for %q", cfg, n, got)
+			}
 		}
 		if got != tt.want {
-			t.Errorf("Validate(%+v) = %q, want %q", tt.cfg, got, tt.want)
+			t.Errorf("Validate(%+v) = %q, want %q", cfg, got, tt.want)
+		}
+		if _, err := New(cfg, Options{}); (err == nil) != (tt.want == "") {
+			t.Errorf("New(%+v) = %v, want an error: %v", cfg, err, tt.want != "")
 		}
 	}
-	if _, err := New(Config{ProbeInterval: time.Second}, Options{}); err == nil {
+	if _, err := New(conf(func(c *Config) { c.ProbeInterval = time.Second }), Options{}); err == nil {
 		t.Errorf("New with probe_interval and no Prober: no error")
 	}
-	d := Config{}.withDefaults()
 	want := Config{Strategy: RoundRobin, FailureThreshold: 3, EjectBase: 30 * time.Second, EjectMax: 5 * time.Minute,
-		MaxEjectedShare: 0.5, LatencyTolerance: 0.2, StickyIdle: 30 * time.Minute, StickyMax: 100000,
-		RotateInterval: 30 * time.Second, RotateWait: 5 * time.Second, RotateTimeout: 30 * time.Second, ProbeBudget: 10, ProbeTimeout: 10 * time.Second}
-	if d != want {
+		MaxEjectedPercent: 50, LatencyTolerance: 0.2, StickyIdle: 30 * time.Minute, StickyMax: 100000,
+		RotateInterval: 30 * time.Second, RotateWait: 5 * time.Second, RotateTimeout: 30 * time.Second, ProbeBudget: 10, ProbeTimeout: 10 * time.Second,
+		QuotaHeadroom: 1}
+	if d := DefaultConfig(); d != want {
 		t.Errorf("defaults = %+v, want %+v", d, want)
+	}
+}
+
+// TestConfigTOMLKeys checks that every field carries its key in the file.
+func TestConfigTOMLKeys(t *testing.T) {
+	want := []string{"strategy", "failure_threshold", "eject_base", "eject_max", "max_ejected_percent",
+		"latency_tolerance", "sticky_idle", "sticky_max", "rotate_interval", "rotate_wait", "rotate_timeout",
+		"probe_interval", "probe_budget", "probe_timeout", "quota_headroom"}
+	var got []string
+	for f := range reflect.TypeFor[Config]().Fields() {
+		got = append(got, f.Tag.Get("toml"))
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("toml keys = %q, want %q", got, want)
 	}
 }
 
@@ -60,7 +114,7 @@ func TestAppendIDMatchesID(t *testing.T) {
 	}
 	// A pool-handed upstream's ID is the one computed once; a copy with
 	// other fields has its own.
-	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	p := newTestPool(t, DefaultConfig(), Options{Now: newClock().Now})
 	set := append(ups(7, 2), sessions(9, 2, "198.51.100.1")...)
 	p.Update(set)
 	for _, u := range set {
@@ -95,7 +149,7 @@ func TestFailureReasons(t *testing.T) {
 }
 
 func TestListenerSlices(t *testing.T) {
-	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	p := newTestPool(t, DefaultConfig(), Options{Now: newClock().Now})
 	socks := ups(2, 3)
 	for i := range socks {
 		socks[i].Protocol = SOCKS5
@@ -138,7 +192,7 @@ func TestListenerSlices(t *testing.T) {
 
 func TestProviderExclusion(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{}, Options{Now: clk.Now})
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now})
 	set := append(ups(1, 4), ups(2, 2)...)
 	p.Update(set)
 	bad, idle := set[0], set[1]
@@ -183,7 +237,7 @@ func TestProviderExclusion(t *testing.T) {
 
 func TestSessionGatewayExcludedExitIPNot(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{}, Options{Now: clk.Now}) // no Rotator
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now}) // no Rotator
 	ss := append(sessions(5, 2, "198.51.100.1"), sessions(6, 1, "198.51.100.2")...)
 	p.Update(ss)
 	p.SetProviderStatus(5, nil, []string{"198.51.100.1"})
@@ -215,7 +269,7 @@ func TestSessionGatewayExcludedExitIPNot(t *testing.T) {
 
 func TestQuota(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{}, Options{Now: clk.Now})
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now})
 	a, b := sessions(1, 3, "198.51.100.1"), ups(2, 2)
 	for i := range a {
 		a[i].Session = "" // plain rotating upstreams
@@ -257,7 +311,7 @@ func TestQuota(t *testing.T) {
 
 func TestUpdateKeepsStateAndDrains(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now})
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now})
 	set := ups(1, 4)
 	p.Update(set)
 	ej := handle(p, set[0])
@@ -327,7 +381,7 @@ func TestUpdateKeepsStateAndDrains(t *testing.T) {
 }
 
 func TestExplainHoldsNoPassword(t *testing.T) {
-	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	p := newTestPool(t, DefaultConfig(), Options{Now: newClock().Now})
 	set := append(ups(1, 3), sessions(2, 2, "198.51.100.1")...)
 	p.Update(set)
 	p.SetListeners([]ListenerSlice{{Name: "b"}, {Name: "a", Kind: PPR}})
@@ -357,7 +411,7 @@ func TestExplainHoldsNoPassword(t *testing.T) {
 
 func TestChangedHook(t *testing.T) {
 	changed := make(chan struct{}, 10)
-	p := newTestPool(t, Config{}, Options{Hooks: Hooks{Changed: func() { changed <- struct{}{} }}})
+	p := newTestPool(t, DefaultConfig(), Options{Hooks: Hooks{Changed: func() { changed <- struct{}{} }}})
 	p.Update(ups(1, 2))
 	select {
 	case <-changed:

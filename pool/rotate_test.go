@@ -67,7 +67,7 @@ func TestRotationRateLimitAndResults(t *testing.T) {
 		return "203.0.113.99", answer
 	}}
 	var rs rotations
-	p := newTestPool(t, Config{MaxEjectedShare: 1}, Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
 	ss := sessions(7, 3, "198.51.100.1")
 	p.Update(ss)
 	s0 := handle(p, ss[0])
@@ -153,7 +153,7 @@ func TestRotationReleasesWaitingKeys(t *testing.T) {
 		}
 	}}
 	var rs rotations
-	p := newTestPool(t, Config{RotateWait: time.Minute}, Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = time.Minute }), Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
 	ss := sessions(7, 3, "198.51.100.1")
 	p.Update(ss)
 	key := stickyOn(t, p, ss[0].ID())
@@ -223,7 +223,7 @@ func TestRotationFallbackAfterBound(t *testing.T) {
 		return "", ctx.Err()
 	}}
 	const bound = 50 * time.Millisecond
-	p := newTestPool(t, Config{RotateWait: bound}, Options{Now: clk.Now, Rotator: rot})
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = bound }), Options{Now: clk.Now, Rotator: rot})
 	ss := sessions(7, 3, "198.51.100.1")
 	p.Update(ss)
 	key := stickyOn(t, p, ss[0].ID())
@@ -258,7 +258,7 @@ func TestRotationFailing(t *testing.T) {
 		return "", errors.New("503 from the api")
 	}}
 	var rs rotations
-	p := newTestPool(t, Config{RotateWait: time.Minute}, Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = time.Minute }), Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
 	ss := sessions(7, 3, "198.51.100.1")
 	p.Update(ss)
 

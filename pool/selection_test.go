@@ -112,7 +112,7 @@ func TestStrategies(t *testing.T) {
 func TestPoolStrategies(t *testing.T) {
 	const n = 10
 	t.Run("round-robin cycles in order", func(t *testing.T) {
-		p := newTestPool(t, Config{Strategy: RoundRobin}, Options{Now: newClock().Now})
+		p := newTestPool(t, conf(func(c *Config) { c.Strategy = RoundRobin }), Options{Now: newClock().Now})
 		set := ups(1, n)
 		p.Update(set)
 		for round := range 3 {
@@ -124,7 +124,7 @@ func TestPoolStrategies(t *testing.T) {
 		}
 	})
 	t.Run("random spreads", func(t *testing.T) {
-		p := newTestPool(t, Config{Strategy: Random}, Options{Now: newClock().Now})
+		p := newTestPool(t, conf(func(c *Config) { c.Strategy = Random }), Options{Now: newClock().Now})
 		set := ups(1, n)
 		p.Update(set)
 		fail(p, handle(p, set[3]), 3)
@@ -148,7 +148,7 @@ func TestPoolStrategies(t *testing.T) {
 		}
 	})
 	t.Run("least-conn", func(t *testing.T) {
-		p := newTestPool(t, Config{Strategy: LeastConn}, Options{Now: newClock().Now})
+		p := newTestPool(t, conf(func(c *Config) { c.Strategy = LeastConn }), Options{Now: newClock().Now})
 		set := ups(1, 3)
 		p.Update(set)
 		var held []*Upstream
@@ -174,7 +174,7 @@ func TestPoolStrategies(t *testing.T) {
 		}
 	})
 	t.Run("latency with tolerance", func(t *testing.T) {
-		p := newTestPool(t, Config{Strategy: Latency, LatencyTolerance: 0.5}, Options{Now: newClock().Now})
+		p := newTestPool(t, conf(func(c *Config) { c.Strategy = Latency; c.LatencyTolerance = 0.5 }), Options{Now: newClock().Now})
 		set := ups(1, 4)
 		p.Update(set)
 		for i, d := range []time.Duration{100, 140, 400, 1000} {
@@ -214,7 +214,7 @@ func TestEWMA(t *testing.T) {
 // one allocation per pick, which AllocsPerRun (a whole number) reads as 0.
 func TestPickDoesNotAllocate(t *testing.T) {
 	for _, strategy := range []string{RoundRobin, Random, LeastConn, Latency} {
-		p, err := New(Config{Strategy: strategy}, Options{})
+		p, err := New(conf(func(c *Config) { c.Strategy = strategy }), Options{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -243,7 +243,7 @@ func TestPickDoesNotAllocate(t *testing.T) {
 
 func TestLatencyBandFollowsHealth(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{Strategy: Latency, MaxEjectedShare: 1}, Options{Now: clk.Now})
+	p := newTestPool(t, conf(func(c *Config) { c.Strategy = Latency; c.MaxEjectedPercent = 100 }), Options{Now: clk.Now})
 	set := ups(1, 3)
 	p.Update(set)
 	for i, d := range []time.Duration{10, 50, 100} {

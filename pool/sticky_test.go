@@ -21,7 +21,7 @@ func TestStickyOnlyTheLostUpstreamsKeysMove(t *testing.T) {
 		for _, strategy := range []string{RoundRobin, Random, LeastConn, Latency} {
 			t.Run(how+"/"+strategy, func(t *testing.T) {
 				clk := newClock()
-				p := newTestPool(t, Config{Strategy: strategy}, Options{Now: clk.Now})
+				p := newTestPool(t, conf(func(c *Config) { c.Strategy = strategy }), Options{Now: clk.Now})
 				const n, keys = 10, 1000
 				set := ups(1, n)
 				p.Update(set)
@@ -108,7 +108,7 @@ func equalMaps(a, b map[string]string) bool {
 }
 
 func TestStickyAvoidAndListeners(t *testing.T) {
-	p := newTestPool(t, Config{}, Options{Now: newClock().Now})
+	p := newTestPool(t, DefaultConfig(), Options{Now: newClock().Now})
 	set := ups(1, 3)
 	set[2].Protocol = SOCKS5
 	p.Update(set)
@@ -133,7 +133,7 @@ func TestStickyAvoidAndListeners(t *testing.T) {
 
 func TestStickyTableCapAndIdle(t *testing.T) {
 	clk := newClock()
-	p := newTestPool(t, Config{StickyMax: 100, StickyIdle: time.Minute}, Options{Now: clk.Now})
+	p := newTestPool(t, conf(func(c *Config) { c.StickyMax = 100; c.StickyIdle = time.Minute }), Options{Now: clk.Now})
 	p.Update(ups(1, 5))
 	for i := range 150 {
 		pickReport(t, p, Request{Key: fmt.Sprint(i)}, Success)
