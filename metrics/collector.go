@@ -17,7 +17,7 @@ import (
 type scrapeCollector struct {
 	m *Metrics
 
-	upstreams, usable, panicking, credit, serviceInfo, serviceDue, stateAge *prometheus.Desc
+	upstreams, usable, panicking, credit, unpaid, unpaidUSD, serviceInfo, serviceDue, stateAge *prometheus.Desc
 }
 
 func newScrapeCollector(m *Metrics) *scrapeCollector {
@@ -31,6 +31,10 @@ func newScrapeCollector(m *Metrics) *scrapeCollector {
 			"1 while a listener is in panic mode: more of its upstreams fail than may be ejected at once.", []string{"listener"}, nil),
 		credit: prometheus.NewDesc("proxyd_account_credit_usd",
 			"Credit of the provider account in USD.", nil, nil),
+		unpaid: prometheus.NewDesc("proxyd_invoices_unpaid",
+			"Unpaid invoices of the provider account (status Unpaid or Collections); an unpaid invoice is how services get suspended.", nil, nil),
+		unpaidUSD: prometheus.NewDesc("proxyd_invoices_unpaid_usd",
+			"Sum of the unpaid invoices of the provider account in USD.", nil, nil),
 		serviceInfo: prometheus.NewDesc("proxyd_service_info",
 			"Always 1 for each service of the account; the labels describe it.", []string{"service", "product", "kind", "status"}, nil),
 		serviceDue: prometheus.NewDesc("proxyd_service_due_timestamp_seconds",
@@ -41,7 +45,7 @@ func newScrapeCollector(m *Metrics) *scrapeCollector {
 }
 
 func (c *scrapeCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.upstreams, c.usable, c.panicking, c.credit, c.serviceInfo, c.serviceDue, c.stateAge} {
+	for _, d := range []*prometheus.Desc{c.upstreams, c.usable, c.panicking, c.credit, c.unpaid, c.unpaidUSD, c.serviceInfo, c.serviceDue, c.stateAge} {
 		ch <- d
 	}
 }
@@ -63,6 +67,8 @@ func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	if account.Known {
 		ch <- prometheus.MustNewConstMetric(c.credit, prometheus.GaugeValue, account.Credit)
+		ch <- prometheus.MustNewConstMetric(c.unpaid, prometheus.GaugeValue, float64(account.UnpaidInvoices))
+		ch <- prometheus.MustNewConstMetric(c.unpaidUSD, prometheus.GaugeValue, account.UnpaidUSD)
 	}
 	seen := make(map[int]bool, len(account.Services))
 	for _, s := range account.Services {

@@ -13,8 +13,9 @@ import (
 	"github.com/proxyd/proxyd/pool"
 )
 
-// TestContract checks every metric of DESIGN.md §6: its name, type and label
-// names, and the label values it may take.
+// TestContract checks every metric other programs may rely on (dashboards,
+// alert rules, an operator's own queries): its name, type and label names,
+// and the label values it may take.
 func TestContract(t *testing.T) {
 	_, families := scriptedFamilies(t)
 	got := make(map[string]*dto.MetricFamily)
@@ -58,6 +59,10 @@ func TestContract(t *testing.T) {
 		{"proxyd_listener_panic", gauge, []string{"listener"}, nil},
 		{"proxyd_ejections_total", counter, []string{"service"}, nil},
 		{"proxyd_state_age_seconds", gauge, nil, nil},
+		{"proxyd_hedged_requests_total", counter, []string{"listener"}, nil},
+		{"proxyd_invoices_unpaid", gauge, nil, nil},
+		{"proxyd_invoices_unpaid_usd", gauge, nil, nil},
+		{"proxyd_list_updates_total", counter, []string{"result", "service"}, map[string][]string{"result": ListUpdateResults()}},
 	} {
 		f := got[c.name]
 		if f == nil {
@@ -130,9 +135,10 @@ func TestConcurrentUse(t *testing.T) {
 		m.UpstreamFailure(101, "dial_timeout")
 		m.SetUsage(202, float64(i), 100)
 		m.SetStateTime(epoch)
+		m.ListUpdate(101+i%2, "ok")
 	})
 	worker(func(i int) {
-		m.SetAccount(Account{Known: true, Credit: float64(i), Services: []ServiceInfo{{ID: 101, Product: "p", Kind: "fpr", Status: "Active"}}})
+		m.SetAccount(Account{Known: true, Credit: float64(i), UnpaidInvoices: i % 3, UnpaidUSD: float64(i), Services: []ServiceInfo{{ID: 101, Product: "p", Kind: "fpr", Status: "Active"}}})
 		m.SetServices([]int{101, 202 + i%2})
 		m.AddListener("socks")
 	})

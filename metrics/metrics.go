@@ -1,15 +1,22 @@
-// Package metrics holds proxyd's Prometheus metrics (DESIGN.md §6) on a
-// registry made in main, the Grafana dashboard (grafana/proxyd.json) and the
-// alert rules (alerts.yml) that ship with them.
+// Package metrics holds proxyd's Prometheus metrics on a registry made in
+// main, the Grafana dashboard (grafana/proxyd.json) and the alert rules
+// (alerts.yml) that ship with them.
 //
-// Two kinds of metrics live here. Events (connections, bytes, retries, dials,
-// upstream failures, ejections, rotations, API requests) are counters and
-// histograms whose label values are bound in advance, so that the connection
-// path does a few atomic adds and nothing else. Things that come and go
-// (upstreams by state, listener health, the provider account, the age of the
-// pool state) are built at scrape time from the last snapshot handed in, in
-// the manner of node_exporter's collectors, so nothing that left stays behind
-// as a stale series.
+// The metric names, types and labels are a contract that dashboards and
+// alerts outside this repository rely on: every name starts with proxyd_, and
+// every label takes values from a small fixed set (listener and service
+// names, result and failure classes, route templates), so the number of
+// series stays bounded whatever the traffic. README_monitoring.md lists them.
+//
+// Two kinds of metrics live here. Events (connections, bytes, retries, hedged
+// requests, dials, upstream failures, ejections, rotations, list updates, API
+// requests) are counters and histograms whose label values are bound in
+// advance, so that the connection path does a few atomic adds and nothing
+// else. Things that come and go (upstreams by state, listener health, the
+// provider account and its unpaid invoices, the age of the pool state) are
+// built at scrape time from the last snapshot handed in, in the manner of
+// node_exporter's collectors, so nothing that left stays behind as a stale
+// series.
 //
 // Left out: labels that identify an upstream, a client, a destination or a
 // user. Per-upstream detail belongs to the admin /pool endpoint. The package
@@ -79,10 +86,17 @@ func (o Options) Validate() error {
 }
 
 // Account is the provider-side view of the account that the agent polls.
+// Until Known, none of its metrics is exposed: unknown is not zero.
 type Account struct {
-	Credit   float64 // USD
-	Known    bool    // Credit has been read at least once
-	Services []ServiceInfo
+	Credit float64 // USD
+	Known  bool    // the account has been read at least once
+	// UnpaidInvoices counts the account's unpaid invoices: those whose
+	// status is Unpaid or Collections (Payment Pending is not unpaid). An
+	// unpaid invoice is how the provider comes to suspend a service, which
+	// takes its upstreams away.
+	UnpaidInvoices int
+	UnpaidUSD      float64 // the sum of their amounts in USD
+	Services       []ServiceInfo
 }
 
 // ServiceInfo is one service of the account as the provider describes it.
@@ -103,6 +117,7 @@ type Metrics struct {
 	failures    *prometheus.CounterVec
 	ejections   *prometheus.CounterVec
 	rotations   *prometheus.CounterVec
+	listUpdates *prometheus.CounterVec
 	apiRequests *prometheus.CounterVec
 	apiSeconds  *prometheus.HistogramVec
 	poolUpdated prometheus.Gauge
@@ -128,14 +143,15 @@ type Metrics struct {
 // connection path, where they neither format the service ID nor look up a
 // series.
 type serviceCounters struct {
-	failures  []prometheus.Counter // in the order of Metrics.reasons
-	rotations []prometheus.Counter // in the order of RotationResults()
-	ejections prometheus.Counter
+	failures    []prometheus.Counter // in the order of Metrics.reasons
+	rotations   []prometheus.Counter // in the order of RotationResults()
+	listUpdates []prometheus.Counter // in the order of ListUpdateResults()
+	ejections   prometheus.Counter
 }
 
-// New makes every metric of DESIGN.md §6, registers it with the Go and
-// process collectors on reg, and creates the series of the known label
-// values at zero.
+// New makes every proxyd metric, registers it with the Go and process
+// collectors on reg, and creates the series of the known label values at
+// zero.
 func New(reg prometheus.Registerer, o Options) (*Metrics, error) {
 	if err := o.Validate(); err != nil {
 		return nil, err
@@ -178,6 +194,10 @@ func New(reg prometheus.Registerer, o Options) (*Metrics, error) {
 		Namespace: namespace, Name: "sticky_rotations_total",
 		Help: "Sticky session rotations requested from the provider, by service and result.",
 	}, []string{"service", "result"})
+	m.listUpdates = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Name: "list_updates_total",
+		Help: "Fresh IP lists requested from the provider for a service whose IPs keep failing, by service and result.",
+	}, []string{"service", "result"})
 	m.apiRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: namespace, Name: "api_requests_total",
 		Help: "Provider API requests, by route template and HTTP status (error: no answer).",
@@ -218,7 +238,7 @@ func New(reg prometheus.Registerer, o Options) (*Metrics, error) {
 
 	cs := []prometheus.Collector{
 		newConnCollector(m),
-		m.failures, m.ejections, m.rotations, m.apiRequests, m.apiSeconds,
+		m.failures, m.ejections, m.rotations, m.listUpdates, m.apiRequests, m.apiSeconds,
 		m.poolUpdated, m.usageRate, m.usageLimit, m.reloadOK, m.reloadTime, buildInfo,
 		newScrapeCollector(m),
 		collectors.NewGoCollector(),
@@ -307,6 +327,9 @@ func (m *Metrics) bindService(id int) *serviceCounters {
 	for _, r := range RotationResults() {
 		c.rotations = append(c.rotations, m.rotations.WithLabelValues(s, r))
 	}
+	for _, r := range ListUpdateResults() {
+		c.listUpdates = append(c.listUpdates, m.listUpdates.WithLabelValues(s, r))
+	}
 	return c
 }
 
@@ -337,17 +360,24 @@ func (m *Metrics) Ejection(service int) {
 // Rotation counts a sticky rotation of a session of service; result is one
 // of RotationResults(), anything else counts as "error".
 func (m *Metrics) Rotation(service int, result string) {
-	results := RotationResults()
-	i := slices.Index(results, result)
-	if i < 0 {
-		result = "error"
-		i = slices.Index(results, result)
-	}
+	i, result := requestResult(result)
 	if c := (*m.services.Load())[service]; c != nil {
 		c.rotations[i].Inc()
 		return
 	}
 	m.rotations.WithLabelValues(strconv.Itoa(service), result).Inc()
+}
+
+// ListUpdate counts a request for a fresh IP list of service; result is one
+// of ListUpdateResults() (rate_limited: the provider answered 429), anything
+// else counts as "error".
+func (m *Metrics) ListUpdate(service int, result string) {
+	i, result := requestResult(result)
+	if c := (*m.services.Load())[service]; c != nil {
+		c.listUpdates[i].Inc()
+		return
+	}
+	m.listUpdates.WithLabelValues(strconv.Itoa(service), result).Inc()
 }
 
 // APIRequest counts one provider API request. route is the route template
@@ -360,7 +390,8 @@ func (m *Metrics) APIRequest(route, code string, took time.Duration) {
 	m.apiSeconds.WithLabelValues(r).Observe(took.Seconds())
 }
 
-// SetAccount keeps the last account data; credit, proxyd_service_info and
+// SetAccount keeps the last account data; proxyd_account_credit_usd,
+// proxyd_invoices_unpaid, proxyd_invoices_unpaid_usd, proxyd_service_info and
 // proxyd_service_due_timestamp_seconds are built from it at scrape time.
 func (m *Metrics) SetAccount(a Account) {
 	a.Services = slices.Clone(a.Services)

@@ -98,8 +98,9 @@ var leaky = []string{
 }
 
 // scriptedRun drives m through every kind of event: connections of each
-// result class, dials, failures, an ejection, rotations, API polls, the
-// account, usage, the pool snapshot, a failed reload.
+// result class, dials, failures, an ejection, rotations, list updates, API
+// polls, the account with unpaid invoices, usage, the pool snapshot, a failed
+// reload.
 func scriptedRun(m *Metrics) {
 	httpL, socksL := m.Listener("http"), m.Listener("socks")
 	for o := range forward.NumOutcomes {
@@ -126,6 +127,8 @@ func scriptedRun(m *Metrics) {
 	m.Ejection(101)
 	m.Rotation(202, "ok")
 	m.Rotation(202, "rate_limited")
+	m.ListUpdate(101, "rate_limited")
+	m.ListUpdate(101, "ok")
 
 	m.APIRequest("/api/services", "200", 120*time.Millisecond)
 	m.APIRequest("GET /api/iplist/{typel}/{formatl}/{id}", "200", 300*time.Millisecond)
@@ -134,7 +137,7 @@ func scriptedRun(m *Metrics) {
 	m.APIRequest("/api/billing/credit", "503", 50*time.Millisecond)
 	m.APIRequest("/api/sticky/rotate/{id}/{server}/{session}", "429", 80*time.Millisecond)
 
-	m.SetAccount(Account{Credit: 42.5, Known: true, Services: []ServiceInfo{
+	m.SetAccount(Account{Credit: 42.5, Known: true, UnpaidInvoices: 2, UnpaidUSD: 13.5, Services: []ServiceInfo{
 		{ID: 101, Product: "Static Datacenter 10", Kind: "fpr", Status: "Active", Due: epoch.Add(30 * 24 * time.Hour)},
 		{ID: 202, Product: "Rotating Residential 5 GB", Kind: "ppr", Status: "Active", Due: epoch.Add(2 * 24 * time.Hour)},
 	}})
@@ -299,7 +302,7 @@ func TestCardinality(t *testing.T) {
 				n++
 				name, v := lp.GetName(), lp.GetValue()
 				if strings.HasPrefix(f.GetName(), "proxyd_") && !allowedLabels[name] {
-					t.Errorf("%s has label %q, which is not one of DESIGN.md §6", f.GetName(), name)
+					t.Errorf("%s has label %q, which is not one of proxyd's bounded labels", f.GetName(), name)
 				}
 				for _, re := range []*regexp.Regexp{ipv4, ipv6, hostPort, hostname} {
 					if re.MatchString(v) {
@@ -320,11 +323,15 @@ func TestCardinality(t *testing.T) {
 	// Unbounded input maps onto bounded values.
 	m.APIRequest("/api/service/101", "599 weird", time.Second)
 	m.Rotation(202, "gw1.example-provider.net")
+	m.ListUpdate(101, "gw1.example-provider.net")
 	if got := testutil.ToFloat64(m.apiRequests.WithLabelValues(OtherRoute, "error")); got != 1 {
 		t.Errorf("filled-in path with a bad code: other/error = %v, want 1", got)
 	}
 	if got := testutil.ToFloat64(m.rotations.WithLabelValues("202", "error")); got != 1 {
 		t.Errorf("unknown rotation result: error = %v, want 1", got)
+	}
+	if got := testutil.ToFloat64(m.listUpdates.WithLabelValues("101", "error")); got != 1 {
+		t.Errorf("unknown list update result: error = %v, want 1", got)
 	}
 }
 
@@ -338,6 +345,8 @@ func TestPreCreatedSeries(t *testing.T) {
 		"proxyd_upstream_dial_seconds":              2,
 		"proxyd_upstream_failures_total":            2 * len(pool.FailureReasons()),
 		"proxyd_sticky_rotations_total":             2 * 3,
+		"proxyd_list_updates_total":                 2 * 3,
+		"proxyd_hedged_requests_total":              2,
 		"proxyd_ejections_total":                    2,
 		"proxyd_api_requests_total":                 2 * len(APIRoutes()),
 		"proxyd_api_request_seconds":                len(APIRoutes()),
@@ -347,6 +356,8 @@ func TestPreCreatedSeries(t *testing.T) {
 		"proxyd_upstreams":                          0, // no pool source yet: unknown is not zero
 		"proxyd_listener_usable_upstreams":          0,
 		"proxyd_account_credit_usd":                 0, // not known yet
+		"proxyd_invoices_unpaid":                    0,
+		"proxyd_invoices_unpaid_usd":                0,
 		"proxyd_state_age_seconds":                  0,
 	} {
 		if got, err := testutil.GatherAndCount(reg, name); err != nil || got != want {
@@ -414,6 +425,32 @@ proxyd_service_info{kind="fpr",product="A",service="101",status="Suspended"} 1
 	if got := countSeries(t, reg, "proxyd_connections_total"); got != 3*int(forward.NumOutcomes) {
 		t.Errorf("after AddListener: %d connection series, want %d", got, 3*int(forward.NumOutcomes))
 	}
+}
+
+// The invoice gauges appear once the account is known, hold what the last
+// account says, and read 0 (not nothing) once the invoices are paid.
+func TestUnpaidInvoices(t *testing.T) {
+	reg, m := newTestMetrics(t)
+	const help = `
+# HELP proxyd_invoices_unpaid Unpaid invoices of the provider account (status Unpaid or Collections); an unpaid invoice is how services get suspended.
+# TYPE proxyd_invoices_unpaid gauge
+# HELP proxyd_invoices_unpaid_usd Sum of the unpaid invoices of the provider account in USD.
+# TYPE proxyd_invoices_unpaid_usd gauge
+`
+	check := func(when, values string) {
+		t.Helper()
+		if err := testutil.GatherAndCompare(reg, strings.NewReader(help+values), "proxyd_invoices_unpaid", "proxyd_invoices_unpaid_usd"); err != nil {
+			t.Errorf("%s: %v", when, err)
+		}
+	}
+	m.SetAccount(Account{UnpaidInvoices: 1, UnpaidUSD: 3.5}) // not known: not shown
+	if got := countSeries(t, reg, "proxyd_invoices_unpaid", "proxyd_invoices_unpaid_usd"); got != 0 {
+		t.Errorf("before the account is known: %d series, want 0", got)
+	}
+	m.SetAccount(Account{Known: true, UnpaidInvoices: 3, UnpaidUSD: 27.25})
+	check("three unpaid", "proxyd_invoices_unpaid 3\nproxyd_invoices_unpaid_usd 27.25\n")
+	m.SetAccount(Account{Known: true, Credit: 5})
+	check("paid", "proxyd_invoices_unpaid 0\nproxyd_invoices_unpaid_usd 0\n")
 }
 
 func TestConfigReloadAndState(t *testing.T) {
@@ -520,6 +557,8 @@ func TestServiceEventsDoNotAllocate(t *testing.T) {
 			"rate_limited 202": testutil.ToFloat64(m.rotations.WithLabelValues("202", "rate_limited")),
 			"ejections 303":    testutil.ToFloat64(m.ejections.WithLabelValues("303")),
 			"error 303":        testutil.ToFloat64(m.rotations.WithLabelValues("303", "error")),
+			"list ok 101":      testutil.ToFloat64(m.listUpdates.WithLabelValues("101", "ok")),
+			"list error 303":   testutil.ToFloat64(m.listUpdates.WithLabelValues("303", "error")),
 		}
 		for k, v := range want {
 			if got[k] != v {
@@ -532,17 +571,19 @@ func TestServiceEventsDoNotAllocate(t *testing.T) {
 		m.UpstreamFailure(101, "dial_refused")
 		m.Ejection(101)
 		m.Rotation(202, "rate_limited")
+		m.ListUpdate(101, "ok")
 	})
 	if allocs != 0 {
 		t.Errorf("service events allocate %v times per round", allocs)
 	}
 	// AllocsPerRun runs the function once more to warm up.
-	check("served", map[string]float64{"failures 101": runs + 1, "ejections 101": runs + 1, "rate_limited 202": runs + 1})
+	check("served", map[string]float64{"failures 101": runs + 1, "ejections 101": runs + 1, "rate_limited 202": runs + 1, "list ok 101": runs + 1})
 	m.SetServices([]int{202}) // 101 leaves: its counters stay and still count
 	m.UpstreamFailure(101, "dial_refused")
 	m.Ejection(303)
 	m.Rotation(303, "bogus")
-	check("not served", map[string]float64{"failures 101": runs + 2, "ejections 303": 1, "error 303": 1})
+	m.ListUpdate(303, "bogus")
+	check("not served", map[string]float64{"failures 101": runs + 2, "ejections 303": 1, "error 303": 1, "list error 303": 1})
 }
 
 // BenchmarkConnectionMetrics is the metrics work of one connection: open,
