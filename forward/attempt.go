@@ -34,7 +34,7 @@ func (f *tunnelFailure) socksReply() byte {
 
 // budget returns a context bounding all attempts of one connection.
 func (l *Listener) budget(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeoutCause(ctx, l.cfg.RetryBudget, errAttemptTimeout)
+	return context.WithTimeoutCause(ctx, l.cfg.RetryTimeout, errAttemptTimeout)
 }
 
 // openTunnel picks upstreams and opens a tunnel to dest through the first

@@ -10,7 +10,7 @@ import (
 // errBadCredentials is any authentication failure; the client learns nothing more.
 var errBadCredentials = errors.New("bad credentials")
 
-// maxKeyLen is the longest sticky key (DESIGN.md §7).
+// maxKeyLen is the longest sticky key: 1–64 characters.
 const maxKeyLen = 64
 
 // parseUsername splits a local proxy username into the local user and the

@@ -74,7 +74,7 @@ func benchIdle(b *testing.B, protocol pool.Protocol, n int) {
 	}
 	upAddr := next("UPSTREAM ")
 	up := &pool.Upstream{Service: 1, Protocol: protocol, Address: upAddr}
-	cfg := Config{Protocol: string(protocol), MaxConns: n + 100}
+	cfg := testConfig(func(c *Config) { c.Protocol = string(protocol); c.MaxConnections = n + 100 })
 	addr := benchListener(b, cfg, newFakePool(up))
 
 	debug.FreeOSMemory()

@@ -309,7 +309,7 @@ func BenchmarkInProcess(b *testing.B) {
 	for _, ld := range benchLoads() {
 		b.Run(ld.name, func(b *testing.B) {
 			up, target := ld.serve(b)
-			addr := benchListener(b, Config{Protocol: string(ld.protocol)}, newFakePool(up))
+			addr := benchListener(b, testConfig(func(c *Config) { c.Protocol = string(ld.protocol) }), newFakePool(up))
 			direct, proxied, _, _ := ld.measure(b, ld.client(b, target), up.Address, addr, b.N, nil)
 			reportRatio(b, direct, proxied, ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
 		})
@@ -329,7 +329,7 @@ func BenchmarkSeparateProcesses(b *testing.B) {
 			upAddr := server.next("UPSTREAM ")
 			target := server.next("TARGET ")
 			up := &pool.Upstream{Service: 1, Protocol: ld.protocol, Address: upAddr}
-			addr := benchListener(b, Config{Protocol: string(ld.protocol)}, newFakePool(up))
+			addr := benchListener(b, testConfig(func(c *Config) { c.Protocol = string(ld.protocol) }), newFakePool(up))
 			load := startHelper(b, "load", ld.name, b.N)
 			fmt.Fprintf(load.stdin, "%s %s %s %d\n", upAddr, target, addr, server.pid)
 			var d, p, cpuDirect, cpuProxied, cpuProxyd float64

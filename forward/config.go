@@ -16,154 +16,220 @@ const (
 	ProtocolSOCKS5 = "socks5"
 )
 
-// Defaults applied by NewListener to zero fields of Config.
-const (
-	DefaultHeaderTimeout    = 10 * time.Second
-	DefaultDialTimeout      = 5 * time.Second
-	DefaultHandshakeTimeout = 10 * time.Second
-	DefaultIdleTimeout      = 5 * time.Minute
-	DefaultRetryBudget      = 15 * time.Second
-	DefaultResponseTimeout  = 60 * time.Second
-	DefaultRetries          = 2
-	DefaultMaxConns         = 4096
-)
-
-// User is a local proxy user of one listener.
+// User is a local proxy user of one listener (a [[listener.user]] table).
 type User struct {
-	Name     string
-	Password string
+	Name     string `toml:"name"`
+	Password string `toml:"password,secret"`
 }
 
-// Config is one local listener. Zero values mean the documented defaults.
+// Network is a client or destination network of an allow-list: written
+// "10.0.0.0/8", or a bare address "192.0.2.7" for that one address (/32,
+// or /128 for IPv6).
+type Network struct{ netip.Prefix }
+
+// ParseNetwork parses a network as the file writes it.
+func ParseNetwork(s string) (Network, error) {
+	var n Network
+	err := n.UnmarshalText([]byte(s))
+	return n, err
+}
+
+// MustParseNetwork is ParseNetwork for constants; it panics on an error.
+func MustParseNetwork(s string) Network {
+	n, err := ParseNetwork(s)
+	if err != nil {
+		panic(err)
+	}
+	return n
+}
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (n *Network) UnmarshalText(b []byte) error {
+	s := string(b)
+	if strings.Contains(s, "/") {
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			return fmt.Errorf("must be a network such as \"10.0.0.0/8\" or an IP address, got %q", s)
+		}
+		n.Prefix = p.Masked()
+		return nil
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil || a.Zone() != "" {
+		return fmt.Errorf("must be a network such as \"10.0.0.0/8\" or an IP address, got %q", s)
+	}
+	n.Prefix = netip.PrefixFrom(a, a.BitLen())
+	return nil
+}
+
+// MarshalText implements encoding.TextMarshaler: always the prefix form.
+func (n Network) MarshalText() ([]byte, error) {
+	if !n.IsValid() {
+		return []byte{}, nil
+	}
+	return []byte(n.Prefix.String()), nil
+}
+
+// String is the prefix form ("192.0.2.7/32").
+func (n Network) String() string { return n.Prefix.String() }
+
+// Config is one local listener: the forwarding keys of a [[listener]]
+// table. Start from DefaultConfig: every field is used as it is, zero
+// included, with the meaning its comment gives (or refused by Validate).
 type Config struct {
-	// Name is the listener's name; it selects the pool slice (pool.Request.Listener).
-	Name string
-	// Protocol is "http" (HTTP proxy with CONNECT) or "socks5".
-	Protocol string
-	// Address is where the listener binds (host:port). Default "127.0.0.1:8080"
-	// for http, "127.0.0.1:1080" for socks5.
-	Address string
+	// Name is the listener's name; it selects the pool slice
+	// (pool.Request.Listener). Required.
+	Name string `toml:"name"`
+	// Protocol is "http" (HTTP proxy with CONNECT) or "socks5". Required.
+	Protocol string `toml:"protocol"`
+	// Address is where the listener binds (host:port). Required.
+	Address string `toml:"address"`
 
 	// Users, when set, are required: HTTP clients without valid credentials get
-	// 407, SOCKS5 clients must use RFC 1929 username/password.
-	Users []User
+	// 407, SOCKS5 clients must use RFC 1929 username/password. Empty: no
+	// local users (credentials optional, read only for a sticky key).
+	Users []User `toml:"user"`
 	// Allow lists the client networks that may connect; empty means any
 	// (which on a non-loopback address requires Users).
-	Allow []netip.Prefix
+	Allow []Network `toml:"allow"`
 	// AllowDestinations are exceptions to the refused destinations
 	// (loopback, link-local, private, unspecified, proxyd's own addresses).
-	AllowDestinations []netip.Prefix
+	// Empty: no exceptions.
+	AllowDestinations []Network `toml:"allow_destinations"`
 
-	HeaderTimeout    time.Duration // reading a request head or SOCKS handshake; default 10s
-	DialTimeout      time.Duration // TCP connect to an upstream; default 5s
-	HandshakeTimeout time.Duration // CONNECT/SOCKS answer of an upstream; default 10s
-	IdleTimeout      time.Duration // idle tunnel or keep-alive client connection; default 5m
-	// RetryBudget bounds the time of all attempts of one connection or
-	// request (dials, handshakes and, for a plain request without body, the
-	// wait for the answer's head); default 15s.
-	RetryBudget time.Duration
-	// ResponseTimeout bounds how long a plain request with a body may wait
-	// on the upstream: for the answer's head, or to take the next piece of
-	// the body (time spent waiting for the client's body does not count);
-	// default 60s.
-	ResponseTimeout time.Duration
+	// HeaderTimeout bounds reading a client's request head or SOCKS5
+	// greeting and request; it ends once the request is read. 0 is refused.
+	HeaderTimeout time.Duration `toml:"header_timeout"`
+	// DialTimeout bounds the TCP connect to an upstream. 0 is refused.
+	DialTimeout time.Duration `toml:"dial_timeout"`
+	// HandshakeTimeout bounds an upstream's answer to CONNECT or to the
+	// SOCKS5 handshake. 0 is refused.
+	HandshakeTimeout time.Duration `toml:"handshake_timeout"`
+	// IdleTimeout ends a tunnel with no traffic either way, a kept-alive
+	// client connection between requests, and a client that stalls while
+	// sending a request body. 0 is refused.
+	IdleTimeout time.Duration `toml:"idle_timeout"`
+	// Retries is how many more upstreams are tried after one failed before
+	// any byte reached the client. 0: no retry. Negative is refused.
+	Retries int `toml:"retries"`
+	// RetryTimeout bounds the time of all attempts to open one connection
+	// (dials and handshakes); a client waits for its answer at most this
+	// plus one handshake. 0 is refused.
+	RetryTimeout time.Duration `toml:"retry_timeout"`
+	// MaxConnections caps the open client connections; past it clients get
+	// 503 or SOCKS reply 0x01. 0 is refused.
+	MaxConnections int `toml:"max_connections"`
+	// SourceAddress, when set, is the local address outbound connections
+	// use. Unset (the zero Addr, written ""): the system chooses.
+	SourceAddress netip.Addr `toml:"source_address"`
+	// HedgeDelay: after this long without an answer head, a plain request
+	// that can be sent again also goes through one more upstream; the first
+	// answer from the destination wins. 0: hedging off. Negative is refused.
+	HedgeDelay time.Duration `toml:"hedge_delay"`
+	// ResponseTimeout is the longest a plain request waits for its answer
+	// head, counted from when it was first sent; then the client gets 504
+	// and the destination is held responsible. 0 is refused.
+	ResponseTimeout time.Duration `toml:"response_timeout"`
 
-	// Retries is how many more upstreams are tried after the first fails
-	// (before any byte reached the client). Default 2; negative means none.
-	Retries int
-	// MaxConns caps the open client connections; past it clients get 503 or
-	// SOCKS reply 0x01. Default 4096.
-	MaxConns int
-	// SourceAddr, when valid, is the local address outbound connections use.
-	SourceAddr netip.Addr
 	// RootCAs are the certificate authorities proxyd trusts where it speaks
 	// TLS itself (an "https://" request in absolute form); nil means the
 	// system's. Verification is never turned off.
-	RootCAs *x509.CertPool
+	RootCAs *x509.CertPool `toml:"-"`
 }
 
-// withDefaults returns c with zero fields set to their defaults.
-func (c Config) withDefaults() Config {
-	if c.Protocol == "" {
-		c.Protocol = ProtocolHTTP
+// DefaultConfig is a listener's configuration before its file keys are
+// applied. Name, Protocol and Address have no default here: they are set
+// per listener.
+func DefaultConfig() Config {
+	return Config{
+		HeaderTimeout:    10 * time.Second,
+		DialTimeout:      5 * time.Second,
+		HandshakeTimeout: 10 * time.Second,
+		IdleTimeout:      5 * time.Minute,
+		Retries:          2,
+		RetryTimeout:     15 * time.Second,
+		MaxConnections:   4096,
+		HedgeDelay:       2 * time.Second,
+		ResponseTimeout:  5 * time.Minute,
 	}
-	if c.Address == "" {
-		if c.Protocol == ProtocolSOCKS5 {
-			c.Address = "127.0.0.1:1080"
-		} else {
-			c.Address = "127.0.0.1:8080"
-		}
-	}
-	if c.Name == "" {
-		c.Name = c.Protocol
-	}
-	setDur := func(d *time.Duration, def time.Duration) {
-		if *d == 0 {
-			*d = def
-		}
-	}
-	setDur(&c.HeaderTimeout, DefaultHeaderTimeout)
-	setDur(&c.DialTimeout, DefaultDialTimeout)
-	setDur(&c.HandshakeTimeout, DefaultHandshakeTimeout)
-	setDur(&c.IdleTimeout, DefaultIdleTimeout)
-	setDur(&c.RetryBudget, DefaultRetryBudget)
-	setDur(&c.ResponseTimeout, DefaultResponseTimeout)
-	if c.Retries == 0 {
-		c.Retries = DefaultRetries
-	} else if c.Retries < 0 {
-		c.Retries = 0
-	}
-	if c.MaxConns == 0 {
-		c.MaxConns = DefaultMaxConns
-	}
-	return c
 }
 
-// Validate reports the first problem with c (after defaults), naming the field.
+// Validate reports every problem with c, each an error whose text starts
+// with the key as the file writes it ("retry_timeout: must be positive,
+// got 0s"), joined with errors.Join; nil when there is none.
 func (c Config) Validate() error {
-	c = c.withDefaults()
-	if c.Protocol != ProtocolHTTP && c.Protocol != ProtocolSOCKS5 {
-		return fmt.Errorf("protocol: %q is neither %q nor %q", c.Protocol, ProtocolHTTP, ProtocolSOCKS5)
+	var errs []error
+	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if c.Name == "" {
+		fail("name: required")
 	}
-	host, _, err := net.SplitHostPort(c.Address)
-	if err != nil {
-		return fmt.Errorf("address: %w", err)
+	switch c.Protocol {
+	case ProtocolHTTP, ProtocolSOCKS5:
+	case "":
+		fail("protocol: required")
+	default:
+		fail("protocol: %q is neither %q nor %q", c.Protocol, ProtocolHTTP, ProtocolSOCKS5)
+	}
+	host, hostOK := "", false
+	if c.Address == "" {
+		fail("address: required")
+	} else if h, _, err := net.SplitHostPort(c.Address); err != nil {
+		fail("address: %v", err)
+	} else {
+		host, hostOK = h, true
 	}
 	for i, u := range c.Users {
-		if u.Name == "" {
-			return fmt.Errorf("users[%d].name: empty", i)
+		switch {
+		case u.Name == "":
+			fail("user[%d].name: empty", i)
+		case strings.ContainsAny(u.Name, ":\x00"):
+			fail("user[%d].name: must not contain ':' or NUL", i)
 		}
 		if len(u.Name) > 255 || len(u.Password) > 255 {
-			return fmt.Errorf("users[%d]: name and password must be at most 255 bytes (RFC 1929)", i)
-		}
-		if strings.ContainsAny(u.Name, ":\x00") {
-			return fmt.Errorf("users[%d].name: must not contain ':' or NUL", i)
+			fail("user[%d]: name and password must be at most 255 bytes (RFC 1929)", i)
 		}
 		for j := range i {
-			if c.Users[j].Name == u.Name {
-				return fmt.Errorf("users[%d].name: %q listed twice", i, u.Name)
+			if u.Name != "" && c.Users[j].Name == u.Name {
+				fail("user[%d].name: %q listed twice", i, u.Name)
+				break
+			}
+		}
+	}
+	for _, l := range []struct {
+		key  string
+		nets []Network
+	}{{"allow", c.Allow}, {"allow_destinations", c.AllowDestinations}} {
+		for i, n := range l.nets {
+			if !n.IsValid() {
+				fail("%s[%d]: not a network", l.key, i)
 			}
 		}
 	}
 	for _, d := range []struct {
-		name string
-		v    time.Duration
+		key string
+		v   time.Duration
 	}{
 		{"header_timeout", c.HeaderTimeout}, {"dial_timeout", c.DialTimeout},
 		{"handshake_timeout", c.HandshakeTimeout}, {"idle_timeout", c.IdleTimeout},
-		{"retry_budget", c.RetryBudget}, {"response_timeout", c.ResponseTimeout},
+		{"retry_timeout", c.RetryTimeout}, {"response_timeout", c.ResponseTimeout},
 	} {
-		if d.v < 0 {
-			return fmt.Errorf("%s: negative duration %s", d.name, d.v)
+		if d.v <= 0 {
+			fail("%s: must be positive, got %s", d.key, d.v)
 		}
 	}
-	if c.MaxConns < 0 {
-		return errors.New("max_conns: negative")
+	if c.HedgeDelay < 0 {
+		fail("hedge_delay: must not be negative (\"0s\" turns hedging off), got %s", c.HedgeDelay)
 	}
-	if !IsLoopbackHost(host) && len(c.Users) == 0 && len(c.Allow) == 0 {
-		return fmt.Errorf("address: %q is not loopback; set users or allow (a client allow-list)", c.Address)
+	if c.Retries < 0 {
+		fail("retries: must not be negative (0 turns retries off), got %d", c.Retries)
 	}
-	return nil
+	if c.MaxConnections <= 0 {
+		fail("max_connections: must be positive, got %d", c.MaxConnections)
+	}
+	if hostOK && !IsLoopbackHost(host) && len(c.Users) == 0 && len(c.Allow) == 0 {
+		fail("address: %q is not loopback; set users or allow (a client allow-list)", c.Address)
+	}
+	return errors.Join(errs...)
 }
 
 // IsLoopbackHost reports whether a listen host binds only to loopback.

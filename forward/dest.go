@@ -165,3 +165,12 @@ func ownAddrs(addr net.Addr) []netip.AddrPort {
 	}
 	return out
 }
+
+// prefixes returns the networks' prefixes.
+func prefixes(nets []Network) []netip.Prefix {
+	out := make([]netip.Prefix, len(nets))
+	for i, n := range nets {
+		out[i] = n.Prefix
+	}
+	return out
+}

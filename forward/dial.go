@@ -47,8 +47,8 @@ func newDialer(cfg Config) *dialer {
 	// and count) stays with the system: an idle tunnel ends at IdleTimeout
 	// first, and leaving them saves two system calls per dial.
 	d.net.KeepAliveConfig = net.KeepAliveConfig{Enable: true, Idle: 30 * time.Second, Interval: -1, Count: -1}
-	if cfg.SourceAddr.IsValid() {
-		d.net.LocalAddr = &net.TCPAddr{IP: cfg.SourceAddr.AsSlice(), Zone: cfg.SourceAddr.Zone()}
+	if cfg.SourceAddress.IsValid() {
+		d.net.LocalAddr = &net.TCPAddr{IP: cfg.SourceAddress.AsSlice(), Zone: cfg.SourceAddress.Zone()}
 	}
 	return d
 }

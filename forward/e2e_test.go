@@ -83,7 +83,7 @@ func TestHTTPPlainRequests(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, targets func() []string) {
 		origin, originConns := startOrigin(t, http.HandlerFunc(echoHandler))
 		p := newFakePool(up)
-		tl := startListener(t, Config{Name: "web", Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+		tl := startListener(t, testConfig(func(c *Config) { c.Name = "web"; c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 		c := tl.httpClient(t, "session-abc", "x")
 
 		for _, m := range []string{"GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"} {
@@ -138,7 +138,7 @@ func TestHTTPPlainRequests(t *testing.T) {
 func TestUpstreamConnReusedAcrossClientConns(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		origin, originConns := startOrigin(t, http.HandlerFunc(echoHandler))
-		tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), newFakePool(up))
 		c := tl.httpClient(t, "", "")
 		c.Transport.(*http.Transport).DisableKeepAlives = true
 		const n = 5
@@ -181,7 +181,7 @@ func TestHTTPChunkedUpload(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
 		p := newFakePool(up)
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 		c := tl.httpClient(t, "", "")
 		data := make([]byte, 3<<20+17)
 		_, _ = rand.Read(data)
@@ -250,7 +250,7 @@ func TestConnect16MiB(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 		p := newFakePool(up)
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 		c, br, resp := rawConnect(t, tl.addr, echo, "")
 		if resp.StatusCode != 200 {
 			t.Fatalf("CONNECT: %d", resp.StatusCode)
@@ -276,7 +276,7 @@ func TestConnect16MiB(t *testing.T) {
 func TestConnectEarlyBytes(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), newFakePool(up))
 		c, err := net.Dial("tcp", tl.addr)
 		if err != nil {
 			t.Fatal(err)
@@ -301,7 +301,7 @@ func TestSOCKS5Client(t *testing.T) {
 		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
 		p := newFakePool(up)
-		tl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, p)
+		tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed }), p)
 		d, err := proxy.SOCKS5("tcp", tl.addr, &proxy.Auth{User: "session-k1", Password: "x"}, proxy.Direct)
 		if err != nil {
 			t.Fatal(err)
@@ -343,7 +343,7 @@ func TestUpstreamResolvesNames(t *testing.T) {
 		_, oport, _ := net.SplitHostPort(origin)
 		dest := "only-upstream.test:" + port
 		for _, proto := range []string{"http", "socks5"} {
-			tl := startListener(t, Config{Protocol: proto}, newFakePool(up))
+			tl := startListener(t, testConfig(func(c *Config) { c.Protocol = proto }), newFakePool(up))
 			var c net.Conn
 			if proto == "http" {
 				var resp *http.Response
@@ -364,7 +364,7 @@ func TestUpstreamResolvesNames(t *testing.T) {
 			_ = c.Close()
 		}
 		// plain HTTP too
-		tl := startListener(t, Config{}, newFakePool(up))
+		tl := startListener(t, testConfig(nil), newFakePool(up))
 		req, _ := http.NewRequest("GET", "http://only-upstream.test:"+oport+"/n", nil)
 		if e := getEcho(t, tl.httpClient(t, "", ""), req); e.Host != "only-upstream.test:"+oport {
 			t.Errorf("origin saw Host %q", e.Host)
@@ -384,13 +384,13 @@ func TestUpstreamResolvesNames(t *testing.T) {
 func TestIPv6LiteralDestination(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, targets func() []string) {
 		echo := startTCP(t, "tcp6", "[::1]:0", echoServe)
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), newFakePool(up))
 		c, br, resp := rawConnect(t, tl.addr, echo, "")
 		if resp.StatusCode != 200 {
 			t.Fatalf("CONNECT %s: %d", echo, resp.StatusCode)
 		}
 		bigTransfer(t, c, br, 5000)
-		stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, newFakePool(up))
+		stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed }), newFakePool(up))
 		d, _ := proxy.SOCKS5("tcp", stl.addr, nil, proxy.Direct)
 		sc, err := d.Dial("tcp", echo)
 		if err != nil {
@@ -449,7 +449,7 @@ func dialWS(t *testing.T, proxyAddr, origin string) *websocket.Conn {
 func TestWebSocketUpgrade(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		origin := wsEchoServer(t, "bye")
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), newFakePool(up))
 		exchange := func(ws *websocket.Conn, msg string) {
 			t.Helper()
 			if err := websocket.Message.Send(ws, msg); err != nil {
@@ -533,7 +533,7 @@ func TestConnectUpstreamSendsEarly(t *testing.T) {
 		up    *pool.Upstream
 	}{{"http", hu.upstream(1)}, {"socks5", hu.upstream(1)}, {"http", su.upstream(1)}, {"socks5", su.upstream(1)}} {
 		proto := tc.proto
-		tl := startListener(t, Config{Protocol: proto, AllowDestinations: loopbackAllowed}, newFakePool(tc.up))
+		tl := startListener(t, testConfig(func(c *Config) { c.Protocol = proto; c.AllowDestinations = loopbackAllowed }), newFakePool(tc.up))
 		var c net.Conn
 		var r io.Reader
 		if proto == "http" {
@@ -568,7 +568,7 @@ func TestConnectUpstreamSendsEarly(t *testing.T) {
 func TestSOCKSClientSendsEarly(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
-		tl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed }), newFakePool(up))
 		c, err := net.Dial("tcp", tl.addr)
 		if err != nil {
 			t.Fatal(err)
@@ -599,7 +599,7 @@ func TestManyTunnelsPingPong(t *testing.T) {
 	checkLeaks(t)
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	up := newSOCKSUpstream(t, "", "", nil)
-	tl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, newFakePool(up.upstream(1)))
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed }), newFakePool(up.upstream(1)))
 	d, _ := proxy.SOCKS5("tcp", tl.addr, nil, proxy.Direct)
 	const tunnels, rounds = 150, 30
 	var wg sync.WaitGroup

@@ -13,12 +13,13 @@ import (
 // Wiring one listener as cmd/proxyd does: a pool, an optional Observer
 // (metrics), Serve in a goroutine, Shutdown on SIGTERM.
 func ExampleNewListener() {
-	p, err := pool.New(pool.Config{}, pool.Options{})
+	p, err := pool.New(pool.DefaultConfig(), pool.Options{})
 	if err != nil {
 		panic(err)
 	}
 	p.SetListeners([]pool.ListenerSlice{{Name: "http"}})
-	cfg := forward.Config{Name: "http", Protocol: forward.ProtocolHTTP, Address: "127.0.0.1:0"}
+	cfg := forward.DefaultConfig() // the file's keys are decoded onto it
+	cfg.Name, cfg.Protocol, cfg.Address = "http", forward.ProtocolHTTP, "127.0.0.1:0"
 	l, err := forward.NewListener(cfg, p, nil, slog.Default())
 	if err != nil {
 		panic(err)

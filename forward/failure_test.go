@@ -81,7 +81,11 @@ func TestFailover(t *testing.T) {
 				if fault == "hang" {
 					hs = time.Second
 				}
-				cfg := Config{AllowDestinations: loopbackAllowed, HandshakeTimeout: hs, ResponseTimeout: hs}
+				cfg := testConfig(func(c *Config) {
+					c.AllowDestinations = loopbackAllowed
+					c.HandshakeTimeout = hs
+					c.ResponseTimeout = hs
+				})
 				check := func(t *testing.T, p *fakePool) {
 					t.Helper()
 					p.waitBalanced(t)
@@ -162,7 +166,7 @@ func TestDestinationUnreachable(t *testing.T) {
 			up, other = newSOCKSUpstream(t, "", "", nil).upstream(1), newSOCKSUpstream(t, "", "", nil).upstream(2)
 		}
 		p := newFakePool(up, other)
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 		_, _, resp := rawConnect(t, tl.addr, dest, "")
 		if resp.StatusCode != 502 {
 			t.Errorf("%s: CONNECT to unreachable: %d, want 502", kind, resp.StatusCode)
@@ -172,7 +176,7 @@ func TestDestinationUnreachable(t *testing.T) {
 			t.Errorf("%s: reports %+v, want one destination_error", kind, r)
 		}
 		sp := newFakePool(up, other)
-		stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, sp)
+		stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed }), sp)
 		code := socksDialCode(t, stl.addr, dest)
 		want := byte(socks5.ReplyHostUnreachable)
 		if code != want {
@@ -216,7 +220,7 @@ func TestSOCKSReplyCodes(t *testing.T) {
 	for code := byte(1); code <= 9; code++ {
 		s.reply.Store(int32(code))
 		p := newFakePool(s.upstream(1))
-		tl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed, Retries: -1}, p)
+		tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed; c.Retries = 0 }), p)
 		got := socksDialCode(t, tl.addr, dest)
 		wantRes, wantCode := pool.ProxyError, byte(socks5.ReplyGeneralFailure)
 		if code >= 2 && code <= 6 {
@@ -244,7 +248,11 @@ func TestAllUpstreamsDead(t *testing.T) {
 		{Service: 4, Protocol: pool.HTTP, Address: deadAddr(t)},
 	}
 	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
-	cfg := Config{AllowDestinations: loopbackAllowed, HandshakeTimeout: 5 * time.Second, RetryBudget: 600 * time.Millisecond}
+	cfg := testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.HandshakeTimeout = 5 * time.Second
+		c.RetryTimeout = 600 * time.Millisecond
+	})
 	const bound = 2 * time.Second
 
 	p := newFakePool(ups...)
@@ -327,7 +335,7 @@ func TestDialTimeout(t *testing.T) {
 	bad := &pool.Upstream{Service: 9, Protocol: pool.HTTP, Address: blackholeAddr(t)}
 	good := newHTTPUpstream(t, "", "", nil).upstream(1)
 	p := newFakePool(bad, good)
-	tl := startListener(t, Config{AllowDestinations: loopbackAllowed, DialTimeout: 300 * time.Millisecond}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.DialTimeout = 300 * time.Millisecond }), p)
 	start := time.Now()
 	c, br, resp := rawConnect(t, tl.addr, echo, "")
 	if resp.StatusCode != 200 {
@@ -352,7 +360,7 @@ func TestSOCKSUnsupportedCommands(t *testing.T) {
 		t.Error("unsupported command reached Pick")
 		return nil, errors.New("no")
 	}
-	tl := startListener(t, Config{Protocol: "socks5"}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5" }), p)
 	for _, cmd := range []byte{socks5.CmdBind, socks5.CmdUDPAssociate} {
 		c, err := net.Dial("tcp", tl.addr)
 		if err != nil {

@@ -191,7 +191,7 @@ func interopSuite(t *testing.T, up *pool.Upstream) {
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	origin, originConns := startOrigin(t, http.HandlerFunc(echoHandler))
 	p := newFakePool(up)
-	tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 
 	c, br, resp := rawConnect(t, tl.addr, echo, "")
 	if resp.StatusCode != 200 {
@@ -215,7 +215,7 @@ func interopSuite(t *testing.T, up *pool.Upstream) {
 	}
 	t.Logf("origin connections for 3 requests: %d", originConns.Load())
 
-	stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, p)
+	stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed }), p)
 	d, _ := proxy.SOCKS5("tcp", stl.addr, nil, proxy.Direct)
 	sc, err := d.Dial("tcp", echo)
 	if err != nil {
@@ -240,7 +240,7 @@ func TestSquidUpstream(t *testing.T) {
 
 	// A WebSocket through Squid (a CONNECT tunnel to the origin).
 	wsOrigin := wsEchoServer(t, "bye")
-	wtl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+	wtl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), newFakePool(up))
 	ws := dialWS(t, wtl.addr, wsOrigin)
 	if err := websocket.Message.Send(ws, "hi"); err != nil {
 		t.Fatal(err)
@@ -255,7 +255,7 @@ func TestSquidUpstream(t *testing.T) {
 	bad := &pool.Upstream{Service: 2, Protocol: pool.HTTP, Address: addr, Username: "squser", Password: "nope"}
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	p := newFakePool(bad, up)
-	tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 	c, br, resp := rawConnect(t, tl.addr, echo, "")
 	if resp.StatusCode != 200 {
 		t.Fatalf("CONNECT: %d", resp.StatusCode)
@@ -276,7 +276,7 @@ func TestDanteUpstream(t *testing.T) {
 
 	// Unreachable destination: Dante's reply code reaches the client, not blamed.
 	p := newFakePool(up)
-	stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed}, p)
+	stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed }), p)
 	code := socksDialCode(t, stl.addr, deadAddr(t))
 	if code < 2 || code > 6 {
 		t.Errorf("reply %#x, want a destination code", code)
@@ -302,8 +302,8 @@ func TestCurl(t *testing.T) {
 	up := newHTTPUpstream(t, "", "", n)
 	sup := newSOCKSUpstream(t, "", "", n)
 	users := []User{{"alice", "pw"}}
-	tl := startListener(t, Config{AllowDestinations: loopbackAllowed, Users: users}, newFakePool(up.upstream(1)))
-	stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed, Users: users}, newFakePool(sup.upstream(2)))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.Users = users }), newFakePool(up.upstream(1)))
+	stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed; c.Users = users }), newFakePool(sup.upstream(2)))
 	run := func(args ...string) string {
 		t.Helper()
 		cmd := exec.Command(curl, append([]string{"-sS", "--max-time", "10", "--noproxy", ""}, args...)...)

@@ -6,7 +6,8 @@
 // its outcome is reported to the pool and to an Observer.
 //
 // Scope: local authentication (users and sticky-session usernames), the
-// client allow-list, the refused destinations of DESIGN.md §7, timeouts, a
+// client allow-list, the refused destinations (loopback, link-local, private,
+// unspecified and proxyd's own addresses unless allowed), timeouts, a
 // connection cap, relaying with cheap idle tunnels. Left out: choosing
 // upstreams (package pool), metrics registration (package metrics), reading
 // configuration files (cmd/proxyd). proxyd never terminates TLS for clients
@@ -76,7 +77,6 @@ func NewListener(cfg Config, p Pool, obs Observer, logger *slog.Logger) (*Listen
 	if p == nil {
 		return nil, errors.New("creating listener: nil pool")
 	}
-	cfg = cfg.withDefaults()
 	if obs == nil {
 		obs = nopObserver{}
 	}
@@ -90,7 +90,7 @@ func NewListener(cfg Config, p Pool, obs Observer, logger *slog.Logger) (*Listen
 		obs:     obs,
 		log:     logger.With("listener", cfg.Name),
 		auth:    newAuthenticator(cfg.Users),
-		dest:    destPolicy{allow: cfg.AllowDestinations},
+		dest:    destPolicy{allow: prefixes(cfg.AllowDestinations)},
 		dialer:  newDialer(cfg),
 		ctx:     ctx,
 		cancel:  cancel,
@@ -346,7 +346,7 @@ func (a *acceptor) Accept() (net.Conn, error) {
 			l.obs.Closed(OutcomeDenied, 0, 0, 0)
 			continue
 		}
-		if l.active.Load() >= int64(l.cfg.MaxConns) {
+		if l.active.Load() >= int64(l.cfg.MaxConnections) {
 			l.rejectOverCap(c)
 			continue
 		}

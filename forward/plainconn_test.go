@@ -119,7 +119,7 @@ func TestPlainStaleConnectionReplaced(t *testing.T) {
 		return okAnswer(fmt.Sprint("answer-", n)), true
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	c := tl.httpClient(t, "", "")
 	for i := 1; i <= 3; i++ {
 		// The upstream closed the previous connection, and its FIN reached
@@ -150,7 +150,7 @@ func TestPlainStaleConnectionRace(t *testing.T) {
 		return okAnswer("fine"), false
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	c := tl.httpClient(t, "", "")
 	for i := range 2 {
 		if code, body := getBody(t, c, "http://example.test/x"); code != 200 || body != "fine" {
@@ -178,7 +178,7 @@ func TestPlainUnreadAnswerNotReused(t *testing.T) {
 		return okAnswer("fine"), false
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	c := tl.httpClient(t, "", "")
 	if code, _ := getBody(t, c, "http://example.test/"); code != http.StatusBadGateway {
 		t.Errorf("upstream answering 407: %d, want 502", code)
@@ -190,7 +190,7 @@ func TestPlainUnreadAnswerNotReused(t *testing.T) {
 }
 
 // A request that cannot be sent twice (POST) is not sent again on a fresh
-// connection by the connection layer (the retry rules of DESIGN §7 decide),
+// connection by the connection layer (the attempt loop's retry rules decide),
 // and the upstream is not blamed for a kept connection closed under it.
 func TestPlainStaleConnectionPOST(t *testing.T) {
 	checkLeaks(t)
@@ -205,7 +205,7 @@ func TestPlainStaleConnectionPOST(t *testing.T) {
 		return okAnswer("fine"), false
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	c := tl.httpClient(t, "", "")
 	if code, _ := getBody(t, c, "http://example.test/"); code != 200 {
 		t.Fatal(code)
@@ -230,7 +230,7 @@ func TestPlainUnsolicitedBytes(t *testing.T) {
 	su := startScripted(t, func(n int64, _ *http.Request, _ net.Conn) (string, bool) {
 		return okAnswer(fmt.Sprint("answer-", n)) + "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nbogus", false
 	})
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), newFakePool(su.upstream()))
 	c := tl.httpClient(t, "", "")
 	for i := 1; i <= 3; i++ {
 		// The extra bytes come in the same write as the answer.
@@ -250,7 +250,7 @@ func TestPlainInformationalAnswers(t *testing.T) {
 	su := startScripted(t, func(n int64, _ *http.Request, _ net.Conn) (string, bool) {
 		return "HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n" + okAnswer("final"), false
 	})
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), newFakePool(su.upstream()))
 	c := tl.httpClient(t, "", "")
 	for range 2 {
 		if code, body := getBody(t, c, "http://example.test/"); code != 200 || body != "final" {
@@ -271,7 +271,7 @@ func TestPlainHugeHead(t *testing.T) {
 		return "HTTP/1.1 200 OK\r\n" + big + "Content-Length: 0\r\n\r\n", true
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	code, body := getBody(t, tl.httpClient(t, "", ""), "http://example.test/")
 	if code != http.StatusBadGateway || body != textBadGateway {
 		t.Errorf("huge head: %d %q", code, body)
@@ -293,7 +293,7 @@ func TestPlainEarlyAnswer(t *testing.T) {
 		return okAnswer("fine"), false
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	c := tl.httpClient(t, "", "")
 	// A body the upstream never reads, larger than the socket buffers,
 	// sent by a client that keeps it coming slowly.
@@ -342,7 +342,7 @@ func TestPlainClientLeavesMidAnswer(t *testing.T) {
 		return okAnswer("fine"), false
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	c := tl.httpClient(t, "", "")
 	start := time.Now()
 	resp, err := c.Get("http://example.test/slow")
@@ -389,7 +389,7 @@ func TestPlainStreamedAnswer(t *testing.T) {
 		}
 		return "0\r\n\r\n", false
 	})
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), newFakePool(su.upstream()))
 	resp, err := tl.httpClient(t, "", "").Get("http://example.test/stream")
 	if err != nil {
 		t.Fatal(err)
@@ -419,7 +419,7 @@ func TestPlainEarlyAnswerThenClose(t *testing.T) {
 		return "HTTP/1.1 413 Content Too Large\r\nConnection: close\r\nContent-Length: 3\r\n\r\nbig", true
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	c := tl.httpClient(t, "", "")
 	body := make([]byte, 4<<20)
 	for i := range 10 {
@@ -441,7 +441,7 @@ func TestPlainExpectContinue(t *testing.T) {
 		// Answers without asking for the body.
 		return "HTTP/1.1 401 Unauthorized\r\nContent-Length: 2\r\nConnection: close\r\n\r\nno", true
 	})
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), newFakePool(su.upstream()))
 	conn, err := net.Dial("tcp", tl.addr)
 	if err != nil {
 		t.Fatal(err)
@@ -467,7 +467,11 @@ func TestPlainSlowUpload(t *testing.T) {
 		return okAnswer("fine"), false
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed, ResponseTimeout: 300 * time.Millisecond}, p)
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.Protocol = "http"
+		c.AllowDestinations = loopbackAllowed
+		c.ResponseTimeout = 300 * time.Millisecond
+	}), p)
 	pr, pw := io.Pipe()
 	go func() {
 		tick := time.NewTicker(100 * time.Millisecond) // the upload's pace, not a wait for a condition
@@ -497,7 +501,7 @@ func TestPlainSlowUpload(t *testing.T) {
 func TestPlainNoUserAgentAdded(t *testing.T) {
 	checkLeaks(t)
 	su := startScripted(t, func(int64, *http.Request, net.Conn) (string, bool) { return okAnswer("fine"), false })
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(su.upstream()))
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), newFakePool(su.upstream()))
 	conn, err := net.Dial("tcp", tl.addr)
 	if err != nil {
 		t.Fatal(err)
@@ -529,7 +533,11 @@ func TestPlainBodyStall(t *testing.T) {
 			})
 			defer close(release)
 			p := newFakePool(su.upstream())
-			tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed, ResponseTimeout: 300 * time.Millisecond}, p)
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.Protocol = "http"
+				c.AllowDestinations = loopbackAllowed
+				c.ResponseTimeout = 300 * time.Millisecond
+			}), p)
 			req, _ := http.NewRequest("POST", "http://example.test/", bytes.NewReader(make([]byte, 32<<20)))
 			if expect {
 				req.Header.Set("Expect", "100-continue")
@@ -564,7 +572,7 @@ func TestPlainStaleNotSentTwice(t *testing.T) {
 		return okAnswer("fine"), false
 	})
 	p := newFakePool(su.upstream())
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), p)
 	c := tl.httpClient(t, "", "")
 	if code, _ := getBody(t, c, "http://example.test/"); code != 200 {
 		t.Fatal(code)
@@ -598,7 +606,7 @@ func TestPlainIdleLimits(t *testing.T) {
 		return okAnswer("slow"), false
 	}
 	a, b := startScripted(t, answer), startScripted(t, answer)
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed},
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }),
 		newFakePool(a.upstream(), &pool.Upstream{Service: 2, Protocol: pool.HTTP, Address: b.addr}))
 	pcs := tl.plain
 	pcs.mu.Lock()

@@ -19,7 +19,7 @@ func TestWithRealPool(t *testing.T) {
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	a, b := newHTTPUpstream(t, "", "", nil), newHTTPUpstream(t, "", "", nil)
 	dead := pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: deadAddr(t)}
-	p, err := pool.New(pool.Config{}, pool.Options{})
+	p, err := pool.New(pool.DefaultConfig(), pool.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,7 +30,7 @@ func TestWithRealPool(t *testing.T) {
 	p.SetListeners([]pool.ListenerSlice{{Name: "web"}})
 	p.Update([]pool.Upstream{dead, *a.upstream(2), *b.upstream(3)})
 
-	tl := startListener(t, Config{Name: "web", AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.Name = "web"; c.AllowDestinations = loopbackAllowed }), p)
 	for range 6 {
 		c, br, resp := rawConnect(t, tl.addr, echo, "")
 		if resp.StatusCode != 200 {

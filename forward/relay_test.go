@@ -47,7 +47,7 @@ func TestLocalClientSocketOptions(t *testing.T) {
 	checkLeaks(t)
 	u := newHTTPUpstream(t, "", "", nil)
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
-	tl := startListener(t, Config{Protocol: "http", AllowDestinations: loopbackAllowed}, newFakePool(u.upstream(1)))
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = "http"; c.AllowDestinations = loopbackAllowed }), newFakePool(u.upstream(1)))
 	c, br, resp := rawConnect(t, tl.addr, echo, "")
 	if resp.StatusCode != 200 {
 		t.Fatalf("CONNECT: %d", resp.StatusCode)

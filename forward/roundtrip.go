@@ -367,7 +367,7 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		}
 	}()
 	for ; attempt <= l.cfg.Retries; attempt++ {
-		if attempt > 0 && time.Since(start) >= l.cfg.RetryBudget {
+		if attempt > 0 && time.Since(start) >= l.cfg.RetryTimeout {
 			break
 		}
 		var body *bodyAttempt
@@ -387,7 +387,7 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		// past the bounded time.
 		headWait := l.cfg.ResponseTimeout
 		if rb == nil {
-			headWait = min(headWait, max(l.cfg.RetryBudget-time.Since(start), time.Millisecond))
+			headWait = min(headWait, max(l.cfg.RetryTimeout-time.Since(start), time.Millisecond))
 		}
 		info := &attemptInfo{}
 		actx, cancelAttempt := context.WithCancelCause(context.WithValue(ctx, attemptKey, info))

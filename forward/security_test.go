@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httputil"
-	"net/netip"
 	"net/textproto"
 	"slices"
 	"strconv"
@@ -63,7 +62,7 @@ func headerProbe(origin string) string {
 func TestHeadersStripped(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed, Users: []User{{"alice", "s3cret"}}}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.Users = []User{{"alice", "s3cret"}} }), newFakePool(up))
 		resp := rawRequest(t, tl.addr, headerProbe(origin))
 		if resp == nil || resp.StatusCode != 200 {
 			t.Fatalf("response %+v", resp)
@@ -98,7 +97,7 @@ func TestHeadersStrippedAtUpstream(t *testing.T) {
 	for _, creds := range [][2]string{{"upuser", "up:pass"}, {"", ""}} {
 		u := newHTTPUpstream(t, creds[0], creds[1], nil)
 		up := u.upstream(1)
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed, Users: []User{{"alice", "s3cret"}}}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.Users = []User{{"alice", "s3cret"}} }), newFakePool(up))
 		if resp := rawRequest(t, tl.addr, headerProbe(origin)); resp == nil || resp.StatusCode != 200 {
 			t.Fatalf("upstream user %q: response %+v", creds[0], resp)
 		}
@@ -130,7 +129,10 @@ func TestLocalUsers(t *testing.T) {
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	up := newHTTPUpstream(t, "", "", nil)
 	p := newFakePool(up.upstream(1))
-	cfg := Config{AllowDestinations: loopbackAllowed, Users: []User{{"alice", "s3cret"}, {"bob", "pw"}}}
+	cfg := testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.Users = []User{{"alice", "s3cret"}, {"bob", "pw"}}
+	})
 	tl := startListener(t, cfg, p)
 	for _, tc := range []struct {
 		auth string
@@ -167,7 +169,7 @@ func TestLocalUsers(t *testing.T) {
 		}
 	}
 	// SOCKS5: username/password required, and checked.
-	stl := startListener(t, Config{Protocol: "socks5", AllowDestinations: loopbackAllowed, Users: cfg.Users}, p)
+	stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed; c.Users = cfg.Users }), p)
 	for _, tc := range []struct {
 		auth *proxy.Auth
 		ok   bool
@@ -207,8 +209,8 @@ func TestRefusedDestinations(t *testing.T) {
 		"[fc00::1]", "[64:ff9b::7f00:1]", "[2002:7f00:1::]", "[::127.0.0.1]", "localhost", "LOCALHOST.", "a.localhost",
 		"2130706433", "0x7f.1", "127.1", "017700000001", "[fe80::1%25eth0]",
 	}
-	tl := startListener(t, Config{}, p)
-	stl := startListener(t, Config{Protocol: "socks5"}, p)
+	tl := startListener(t, testConfig(nil), p)
+	stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5" }), p)
 	for _, h := range hosts {
 		target := h + ":80"
 		_, _, resp := rawConnect(t, tl.addr, target, "")
@@ -245,7 +247,7 @@ func TestOwnAddressRefused(t *testing.T) {
 		t.Error("own address reached Pick")
 		return nil, fmt.Errorf("no")
 	}
-	tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 	_, _, resp := rawConnect(t, tl.addr, tl.addr, "")
 	if resp.StatusCode != 403 {
 		t.Errorf("CONNECT to own address: %d", resp.StatusCode)
@@ -322,7 +324,7 @@ func TestFramingCorpus(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		o := newFramingOrigin(t)
 		p := newFakePool(up)
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 		start := "POST http://" + o.addr + "/CASE HTTP/1.1\r\nHost: " + o.addr + "\r\n"
 		corpus := map[string]string{
 			"cl+te":          start + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
@@ -381,7 +383,7 @@ func TestSlowHeaders(t *testing.T) {
 	up := newHTTPUpstream(t, "", "", nil)
 	const timeout = 500 * time.Millisecond
 	for _, proto := range []string{"http", "socks5"} {
-		tl := startListener(t, Config{Protocol: proto, AllowDestinations: loopbackAllowed, HeaderTimeout: timeout}, newFakePool(up.upstream(1)))
+		tl := startListener(t, testConfig(func(c *Config) { c.Protocol = proto; c.AllowDestinations = loopbackAllowed; c.HeaderTimeout = timeout }), newFakePool(up.upstream(1)))
 		var slow []net.Conn
 		for range 20 {
 			c, err := net.Dial("tcp", tl.addr)
@@ -431,7 +433,7 @@ func TestConnectionCap(t *testing.T) {
 	up := newHTTPUpstream(t, "", "", nil)
 	const limit = 3
 	for _, proto := range []string{"http", "socks5"} {
-		tl := startListener(t, Config{Protocol: proto, AllowDestinations: loopbackAllowed, MaxConns: limit}, newFakePool(up.upstream(1)))
+		tl := startListener(t, testConfig(func(c *Config) { c.Protocol = proto; c.AllowDestinations = loopbackAllowed; c.MaxConnections = limit }), newFakePool(up.upstream(1)))
 		var held []net.Conn
 		for range limit {
 			c, err := net.Dial("tcp", tl.addr)
@@ -473,7 +475,7 @@ func TestConnectionCap(t *testing.T) {
 func TestClientAllowList(t *testing.T) {
 	checkLeaks(t)
 	up := newHTTPUpstream(t, "", "", nil)
-	tl := startListener(t, Config{Allow: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}}, newFakePool(up.upstream(1)))
+	tl := startListener(t, testConfig(func(c *Config) { c.Allow = []Network{MustParseNetwork("10.0.0.0/8")} }), newFakePool(up.upstream(1)))
 	if resp := rawRequest(t, tl.addr, "GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n\r\n"); resp != nil {
 		t.Errorf("client outside the allow-list answered %d", resp.StatusCode)
 	}

@@ -19,7 +19,7 @@ import (
 func TestShutdownServesJustAcceptedConnection(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "hello") }))
-		tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), newFakePool(up))
 		c, err := net.Dial("tcp", tl.addr)
 		if err != nil {
 			t.Fatal(err)

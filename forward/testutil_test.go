@@ -606,7 +606,21 @@ func echoServe(c net.Conn) {
 
 // ---- proxyd listener under test ----
 
-var loopbackAllowed = []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("::1/128")}
+var loopbackAllowed = []Network{MustParseNetwork("127.0.0.0/8"), MustParseNetwork("::1")}
+
+// testConfig is DefaultConfig for an HTTP listener on 127.0.0.1:0 named
+// after its protocol, with set applied.
+func testConfig(set func(c *Config)) Config {
+	c := DefaultConfig()
+	c.Protocol, c.Address = ProtocolHTTP, "127.0.0.1:0"
+	if set != nil {
+		set(&c)
+	}
+	if c.Name == "" {
+		c.Name = c.Protocol
+	}
+	return c
+}
 
 type testListener struct {
 	*Listener

@@ -43,7 +43,7 @@ func TestHTTPSAbsoluteForm(t *testing.T) {
 
 		t.Run("untrusted certificate", func(t *testing.T) {
 			p := newFakePool(up, other)
-			tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, p)
+			tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 			resp := rawRequest(t, tl.addr, "GET "+origin.URL+"/ HTTP/1.1\r\nHost: "+host+"\r\n\r\n")
 			if resp == nil || resp.StatusCode != http.StatusBadGateway {
 				t.Fatalf("response %+v, want 502", resp)
@@ -58,7 +58,7 @@ func TestHTTPSAbsoluteForm(t *testing.T) {
 		roots.AddCert(origin.Certificate())
 		t.Run("trusted", func(t *testing.T) {
 			p := newFakePool(up)
-			tl := startListener(t, Config{AllowDestinations: loopbackAllowed, RootCAs: roots}, p)
+			tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.RootCAs = roots }), p)
 			resp := rawRequest(t, tl.addr, "GET "+origin.URL+"/ HTTP/1.1\r\nHost: "+host+"\r\n\r\n")
 			if resp == nil || resp.StatusCode != 200 {
 				t.Fatalf("response %+v", resp)
@@ -142,7 +142,7 @@ func envProxyChild(t *testing.T) {
 	roots := x509.NewCertPool()
 	roots.AddCert(origin.Certificate())
 	for _, up := range []*pool.Upstream{newHTTPUpstream(t, "", "", n).upstream(1), newSOCKSUpstream(t, "", "", n).upstream(2)} {
-		tl := startListener(t, Config{RootCAs: roots}, newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) { c.RootCAs = roots }), newFakePool(up))
 		tr := &http.Transport{Proxy: http.ProxyURL(&url.URL{Scheme: "http", Host: tl.addr}), TLSClientConfig: &tls.Config{RootCAs: roots}}
 		t.Cleanup(tr.CloseIdleConnections)
 		c := &http.Client{Transport: tr} // https:// goes by CONNECT

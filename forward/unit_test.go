@@ -23,34 +23,104 @@ func TestConfigValidate(t *testing.T) {
 		cfg  Config
 		want string // substring of the error; "" for valid
 	}{
-		{Config{}, ""},
-		{Config{Protocol: "socks5", Address: "[::1]:1080"}, ""},
-		{Config{Address: "localhost:8080"}, ""},
-		{Config{Protocol: "socks4"}, `protocol: "socks4"`},
-		{Config{Address: "nonsense"}, "address:"},
-		{Config{Address: "0.0.0.0:8080"}, `address: "0.0.0.0:8080" is not loopback; set users or allow`},
-		{Config{Address: ":8080"}, "is not loopback"},
-		{Config{Address: "192.0.2.1:8080", Users: []User{{"a", "b"}}}, ""},
-		{Config{Address: "0.0.0.0:8080", Allow: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}}, ""},
-		{Config{Users: []User{{"", "b"}}}, "users[0].name: empty"},
-		{Config{Users: []User{{"a:b", "b"}}}, "users[0].name: must not contain"},
-		{Config{Users: []User{{"a", "b"}, {"a", "c"}}}, `users[1].name: "a" listed twice`},
-		{Config{Users: []User{{"a", strings.Repeat("x", 256)}}}, "at most 255 bytes"},
-		{Config{DialTimeout: -time.Second}, "dial_timeout: negative"},
-		{Config{MaxConns: -1}, "max_conns: negative"},
+		{testConfig(nil), ""},
+		{testConfig(func(c *Config) { c.Protocol = "socks5"; c.Address = "[::1]:1080" }), ""},
+		{testConfig(func(c *Config) { c.Address = "localhost:8080" }), ""},
+		{testConfig(func(c *Config) { c.Protocol = "socks4" }), `protocol: "socks4"`},
+		{testConfig(func(c *Config) { c.Address = "nonsense" }), "address:"},
+		{testConfig(func(c *Config) { c.Address = "0.0.0.0:8080" }), `address: "0.0.0.0:8080" is not loopback; set users or allow`},
+		{testConfig(func(c *Config) { c.Address = ":8080" }), "is not loopback"},
+		{testConfig(func(c *Config) { c.Address = "192.0.2.1:8080"; c.Users = []User{{"a", "b"}} }), ""},
+		{testConfig(func(c *Config) { c.Address = "0.0.0.0:8080"; c.Allow = []Network{MustParseNetwork("10.0.0.0/8")} }), ""},
+		{testConfig(func(c *Config) { c.Users = []User{{"", "b"}} }), "user[0].name: empty"},
+		{testConfig(func(c *Config) { c.Users = []User{{"a:b", "b"}} }), "user[0].name: must not contain"},
+		{testConfig(func(c *Config) { c.Users = []User{{"a", "b"}, {"a", "c"}} }), `user[1].name: "a" listed twice`},
+		{testConfig(func(c *Config) { c.Users = []User{{"a", strings.Repeat("x", 256)}} }), "at most 255 bytes"},
+		{testConfig(func(c *Config) { c.DialTimeout = -time.Second }), "dial_timeout: must be positive, got -1s"},
+		{testConfig(func(c *Config) { c.MaxConnections = -1 }), "max_connections: must be positive, got -1"},
+		// Zero is a value: where it has no meaning it is refused, naming the key.
+		{testConfig(func(c *Config) { c.HeaderTimeout = 0 }), "header_timeout: must be positive, got 0s"},
+		{testConfig(func(c *Config) { c.DialTimeout = 0 }), "dial_timeout: must be positive, got 0s"},
+		{testConfig(func(c *Config) { c.HandshakeTimeout = 0 }), "handshake_timeout: must be positive, got 0s"},
+		{testConfig(func(c *Config) { c.IdleTimeout = 0 }), "idle_timeout: must be positive, got 0s"},
+		{testConfig(func(c *Config) { c.RetryTimeout = 0 }), "retry_timeout: must be positive, got 0s"},
+		{testConfig(func(c *Config) { c.ResponseTimeout = 0 }), "response_timeout: must be positive, got 0s"},
+		{testConfig(func(c *Config) { c.MaxConnections = 0 }), "max_connections: must be positive, got 0"},
+		{testConfig(func(c *Config) { c.Retries = -1 }), "retries: must not be negative"},
+		{testConfig(func(c *Config) { c.HedgeDelay = -time.Second }), "hedge_delay: must not be negative"},
+		{func() Config { c := testConfig(nil); c.Name = ""; return c }(), "name: required"},
+		{testConfig(func(c *Config) { c.Protocol = "" }), "protocol: required"},
+		{testConfig(func(c *Config) { c.Address = "" }), "address: required"},
+		{testConfig(func(c *Config) { c.AllowDestinations = []Network{{}} }), "allow_destinations[0]: not a network"},
+		// Where zero has a meaning it is kept: no retries, no hedging.
+		{testConfig(func(c *Config) { c.Retries = 0; c.HedgeDelay = 0 }), ""},
 	} {
 		err := tc.cfg.Validate()
 		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
 			t.Errorf("%+v: got %v, want %q", tc.cfg, err, tc.want)
 		}
 	}
-	if _, err := NewListener(Config{Address: "0.0.0.0:1"}, newFakePool(), nil, nil); err == nil {
+	if _, err := NewListener(testConfig(func(c *Config) { c.Address = "0.0.0.0:1" }), newFakePool(), nil, nil); err == nil {
 		t.Error("NewListener accepted an open non-loopback listener")
 	}
-	d := Config{}.withDefaults()
+	d := DefaultConfig()
 	if d.HeaderTimeout != 10*time.Second || d.DialTimeout != 5*time.Second || d.HandshakeTimeout != 10*time.Second ||
-		d.IdleTimeout != 5*time.Minute || d.Retries != 2 || d.MaxConns != 4096 || d.Address != "127.0.0.1:8080" {
+		d.IdleTimeout != 5*time.Minute || d.Retries != 2 || d.MaxConnections != 4096 || d.RetryTimeout != 15*time.Second ||
+		d.HedgeDelay != 2*time.Second || d.ResponseTimeout != 5*time.Minute {
 		t.Errorf("defaults %+v", d)
+	}
+}
+
+// TestConfigValidateAll: every problem is reported, each as its own error
+// that starts with the key as the file writes it.
+func TestConfigValidateAll(t *testing.T) {
+	c := DefaultConfig()
+	c.Name, c.Protocol, c.Address = "web", "socks4", "127.0.0.1:1"
+	c.RetryTimeout, c.MaxConnections = 0, 0
+	err := c.Validate()
+	j, ok := err.(interface{ Unwrap() []error })
+	if !ok {
+		t.Fatalf("Validate: %v is not a joined error", err)
+	}
+	var got []string
+	for _, e := range j.Unwrap() {
+		got = append(got, e.Error())
+	}
+	want := []string{`protocol: "socks4" is neither "http" nor "socks5"`, "retry_timeout: must be positive, got 0s", "max_connections: must be positive, got 0"}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("problems %q, want %q", got, want)
+	}
+}
+
+// TestNetworkText: allow-list entries are read as a network or a bare
+// address, and written back in prefix form.
+func TestNetworkText(t *testing.T) {
+	for _, tc := range []struct{ in, want, err string }{
+		{"10.0.0.0/8", "10.0.0.0/8", ""},
+		{"10.1.2.3/8", "10.0.0.0/8", ""},
+		{"192.0.2.7", "192.0.2.7/32", ""},
+		{"2001:db8::1", "2001:db8::1/128", ""},
+		{"2001:db8::/32", "2001:db8::/32", ""},
+		{"nonsense", "", `must be a network such as "10.0.0.0/8" or an IP address, got "nonsense"`},
+		{"10.0.0.0/33", "", "must be a network"},
+		{"fe80::1%eth0", "", "must be a network"},
+	} {
+		var n Network
+		err := n.UnmarshalText([]byte(tc.in))
+		if tc.err != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.err) {
+				t.Errorf("%q: got %v, want error %q", tc.in, err, tc.err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%q: %v", tc.in, err)
+			continue
+		}
+		b, _ := n.MarshalText()
+		if string(b) != tc.want {
+			t.Errorf("%q: got %q, want %q", tc.in, b, tc.want)
+		}
 	}
 }
 
@@ -127,7 +197,7 @@ func TestShutdown(t *testing.T) {
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	up := newHTTPUpstream(t, "", "", nil)
 	p := newFakePool(up.upstream(1))
-	l, err := NewListener(Config{AllowDestinations: loopbackAllowed}, p, nil, nil)
+	l, err := NewListener(testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -206,7 +276,7 @@ func TestIdleTunnel(t *testing.T) {
 	})
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	up := newSOCKSUpstream(t, "", "", nil)
-	tl := startListener(t, Config{AllowDestinations: loopbackAllowed, IdleTimeout: 300 * time.Millisecond}, newFakePool(up.upstream(1)))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.IdleTimeout = 300 * time.Millisecond }), newFakePool(up.upstream(1)))
 
 	c, br, _ := rawConnect(t, tl.addr, ticker, "")
 	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
@@ -236,7 +306,7 @@ func TestObserverCounts(t *testing.T) {
 	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
 	up := newHTTPUpstream(t, "", "", nil)
 	dead := &pool.Upstream{Service: 7, Protocol: pool.HTTP, Address: deadAddr(t)}
-	tl := startListener(t, Config{AllowDestinations: loopbackAllowed}, newFakePool(dead, up.upstream(1)))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), newFakePool(dead, up.upstream(1)))
 	hc := tl.httpClient(t, "", "")
 	req, _ := http.NewRequest("GET", "http://"+origin+"/", nil)
 	getEcho(t, hc, req)
@@ -260,7 +330,7 @@ func TestSourceAddr(t *testing.T) {
 	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
 	up := newHTTPUpstream(t, "", "", nil)
 	src := netip.MustParseAddr("127.0.0.2")
-	tl := startListener(t, Config{AllowDestinations: loopbackAllowed, SourceAddr: src}, newFakePool(up.upstream(1)))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.SourceAddress = src }), newFakePool(up.upstream(1)))
 	c, br, resp := rawConnect(t, tl.addr, echo, "")
 	if resp.StatusCode != 200 {
 		t.Fatalf("CONNECT: %d", resp.StatusCode)
@@ -290,7 +360,7 @@ func TestCloseUnderLoad(t *testing.T) {
 	sup := newSOCKSUpstream(t, "", "", nil)
 	for _, proto := range []string{"http", "socks5"} {
 		p := newFakePool(up.upstream(1), sup.upstream(2))
-		l, err := NewListener(Config{Protocol: proto, AllowDestinations: loopbackAllowed}, p, nil, nil)
+		l, err := NewListener(testConfig(func(c *Config) { c.Protocol = proto; c.AllowDestinations = loopbackAllowed }), p, nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
