@@ -245,7 +245,7 @@ func TestSticky(t *testing.T) {
 		`{"success":true,"server":"gw1.sim.example","session":"s2","ip":"198.51.100.3"}`)
 	ts.do(t, "GET", "/api/sticky/rotate/102/gw1.sim.example/s2", "").want(t, "rotate again", 200,
 		`{"success":true,"server":"gw1.sim.example","session":"s2","ip":"198.51.100.4"}`)
-	if got := fmt.Sprint(ts.Sessions(102)); got != "[{gw1.sim.example s1 10001 198.51.100.1 5} {gw1.sim.example s2 10002 198.51.100.4 5}]" {
+	if got := fmt.Sprint(ts.Sessions(102)); got != "[{gw1.sim.example s1 10001 10001 2087 198.51.100.1 5} {gw1.sim.example s2 10002 10002 2087 198.51.100.4 5}]" {
 		t.Errorf("sessions after rotation: %s", got)
 	}
 
@@ -291,7 +291,7 @@ func TestSticky(t *testing.T) {
 	ts.do(t, "GET", "/api/sticky/resetall/1999", "").wantError(t, "unknown", 422, unprocessable)
 	ts.do(t, "GET", "/api/sticky/resetall/101", "").want(t, "fpr", 200, `[]`)
 	ts.do(t, "GET", "/api/sticky/resetall/102", "").want(t, "reset", 200, `{"success":true,"reset":2}`)
-	if got := fmt.Sprint(ts.Sessions(102)); got != "[{gw1.sim.example s1 10001 198.51.100.6 15} {gw1.sim.example s2 10002 198.51.100.7 15}]" {
+	if got := fmt.Sprint(ts.Sessions(102)); got != "[{gw1.sim.example s1 10001 10001 2087 198.51.100.6 15} {gw1.sim.example s2 10002 10002 2087 198.51.100.7 15}]" {
 		t.Errorf("sessions after reset: %s", got)
 	}
 

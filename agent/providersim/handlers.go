@@ -14,7 +14,8 @@ import (
 	"strings"
 )
 
-// Application error messages of spec §7, byte-exact (some end in a space).
+// Application error messages of the provider's API, byte-exact (some end in
+// a space, as the provider's do).
 const (
 	msgUnprocessable      = "Unprocessable Entity"
 	msgUnprocessableSpace = "Unprocessable Entity "
@@ -521,10 +522,35 @@ func (s *Sim) ipList(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusUnprocessableEntity, msgUnprocessable)
 		return
 	}
-	body, contentType := renderList(s.layout, format, creds, sv.lists[r.PathValue("typel")])
+	entries := sv.lists[r.PathValue("typel")]
+	if productType == "ppr" && s.layout.PPRHosts == PPRHostName {
+		entries = s.byGatewayName(entries)
+	}
+	body, contentType := renderList(s.layout, format, creds, entries)
 	w.Header().Set("Content-Type", contentType)
 	w.WriteHeader(http.StatusOK)
 	_, _ = w.Write(body)
+}
+
+// byGatewayName returns entries with each host that is an address of a
+// gateway (SetGateway) replaced by the gateway's name; the first name in
+// sorted order when several share the address. s.mu is held.
+func (s *Sim) byGatewayName(entries []Entry) []Entry {
+	names := map[string]string{}
+	for _, name := range slices.Sorted(maps.Keys(s.w.gateways)) {
+		for _, a := range s.w.gateways[name] {
+			if _, ok := names[a]; !ok {
+				names[a] = name
+			}
+		}
+	}
+	out := slices.Clone(entries)
+	for i := range out {
+		if name, ok := names[out[i].Host]; ok {
+			out[i].Host = name
+		}
+	}
+	return out
 }
 
 // activePPR reports whether sticky sessions of sv can be managed.
@@ -556,21 +582,61 @@ func (s *Sim) stickyList(w http.ResponseWriter, r *http.Request) {
 	if sv == nil {
 		return
 	}
+	wrapped := s.layout.StickyShape == StickyWrapped
 	out := []object{}
 	for _, ss := range sv.sessions {
-		if s.layout.StickyShape == StickyWrapped {
-			out = append(out, object{{"host", ss.Server}, {"session_id", ss.Session},
-				{"port", strconv.Itoa(ss.Port)}, {"exit_ip", ss.ExitIP}, {"ttl", ss.TTL}})
+		if wrapped {
+			o := object{{"host", ss.Server}, {"session_id", ss.Session}}
+			o = append(o, recordPorts(s.layout.StickyPorts, ss, true)...)
+			out = append(out, append(o, field{"exit_ip", ss.ExitIP}, field{"ttl", ss.TTL}))
 		} else {
-			out = append(out, object{{"server", ss.Server}, {"session", ss.Session},
-				{"port", ss.Port}, {"ip", ss.ExitIP}, {"ttl", ss.TTL}})
+			o := object{{"server", ss.Server}, {"session", ss.Session}}
+			o = append(o, recordPorts(s.layout.StickyPorts, ss, false)...)
+			out = append(out, append(o, field{"ip", ss.ExitIP}, field{"ttl", ss.TTL}))
 		}
 	}
-	if s.layout.StickyShape == StickyWrapped {
+	if wrapped {
 		writeJSON(w, http.StatusOK, object{{"sessions", out}})
 		return
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// recordPorts writes the port fields of a sticky record as Layout.StickyPorts
+// says, as strings when asStrings.
+func recordPorts(mode string, ss Session, asStrings bool) object {
+	num := func(n int) any {
+		if asStrings {
+			return strconv.Itoa(n)
+		}
+		return n
+	}
+	var perProtocol object
+	for _, p := range []struct {
+		key, protocol string
+		port          int
+	}{{"http_port", "http", ss.HTTPPort}, {"socks_port", "socks5", ss.SOCKSPort}} {
+		if p.port == 0 {
+			continue
+		}
+		if mode == StickyPortObject {
+			perProtocol = append(perProtocol, field{p.protocol, num(p.port)})
+		} else {
+			perProtocol = append(perProtocol, field{p.key, num(p.port)})
+		}
+	}
+	switch mode {
+	case StickyPortSplit:
+		return perProtocol
+	case StickyPortObject:
+		if perProtocol == nil {
+			perProtocol = object{}
+		}
+		return object{{"ports", perProtocol}}
+	case StickyPortNone:
+		return nil
+	}
+	return object{{"port", num(ss.Port)}}
 }
 
 // 18. GET /api/sticky/rotate/{id}/{server}/{session}: gives the session the
@@ -608,7 +674,8 @@ func (s *Sim) rotate(w http.ResponseWriter, r *http.Request) {
 	writeError(w, http.StatusUnprocessableEntity, msgUnprocessable)
 }
 
-// validTTLs are the sticky session TTLs endpoint 19 accepts (spec §8).
+// validTTLs are the sticky session TTLs endpoint 19 accepts (the API allows
+// only these, most likely minutes).
 var validTTLs = []int{1, 2, 3, 5, 10, 15}
 
 // 19. GET /api/sticky/changettl/{id}/{ttl}: sets the TTL of every session

@@ -37,6 +37,17 @@ type Layout struct {
 	// "ttl"}], or "wrapped": {"sessions":[{"host","session_id","port"
 	// (string),"exit_ip","ttl"}]}.
 	StickyShape string
+	// StickyPorts is what a sticky record says about ports (the provider
+	// does not publish its record): "port" (default) the session's one
+	// Port; "split" "http_port" and "socks_port" in place of "port";
+	// "object" a "ports" object keyed by protocol ({"http":..,"socks5":..});
+	// "none" no port at all. Per-protocol ports that are zero are left out.
+	// Ports are numbers in the "array" shape and strings in "wrapped".
+	StickyPorts string
+	// PPRHosts is how ppr-http and ppr-socks lists name the gateway: "ip"
+	// (default) as the entries are stored, "name" by the gateway host name
+	// (SetGateway) whose addresses hold the entry's host.
+	PPRHosts string
 }
 
 // Layout names.
@@ -55,11 +66,20 @@ const (
 
 	StickyArray   = "array"
 	StickyWrapped = "wrapped"
+
+	StickyPortOne    = "port"
+	StickyPortSplit  = "split"
+	StickyPortObject = "object"
+	StickyPortNone   = "none"
+
+	PPRHostIP   = "ip"
+	PPRHostName = "name"
 )
 
 // LayoutDefault is the layout of the zero Layout, spelled out. The
 // simulator never reads it.
-var LayoutDefault = Layout{TXT: TXTColon, CSV: CSVHeader, JSON: JSONObjects, StickyShape: StickyArray}
+var LayoutDefault = Layout{TXT: TXTColon, CSV: CSVHeader, JSON: JSONObjects, StickyShape: StickyArray,
+	StickyPorts: StickyPortOne, PPRHosts: PPRHostIP}
 
 // Validate reports unknown layout names.
 func (l Layout) Validate() error {
@@ -83,7 +103,13 @@ func (l Layout) Validate() error {
 	if err := check("json", l.JSON, JSONObjects, JSONObjectsAlt, JSONStrings, JSONLines); err != nil {
 		return err
 	}
-	return check("sticky", l.StickyShape, StickyArray, StickyWrapped)
+	if err := check("sticky", l.StickyShape, StickyArray, StickyWrapped); err != nil {
+		return err
+	}
+	if err := check("sticky ports", l.StickyPorts, StickyPortOne, StickyPortSplit, StickyPortObject, StickyPortNone); err != nil {
+		return err
+	}
+	return check("ppr hosts", l.PPRHosts, PPRHostIP, PPRHostName)
 }
 
 // withDefaults replaces empty and unknown names by the defaults.
@@ -101,6 +127,14 @@ func (l Layout) withDefaults() Layout {
 	}
 	if l.StickyShape != StickyWrapped {
 		l.StickyShape = StickyArray
+	}
+	switch l.StickyPorts {
+	case StickyPortSplit, StickyPortObject, StickyPortNone:
+	default:
+		l.StickyPorts = StickyPortOne
+	}
+	if l.PPRHosts != PPRHostName {
+		l.PPRHosts = PPRHostIP
 	}
 	return l
 }

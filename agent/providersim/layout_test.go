@@ -26,12 +26,17 @@ func TestIPListDefaultLayouts(t *testing.T) {
 			"host,port,login,password\n10.0.0.1,1080,,\n10.0.0.2,1080,,\n10.0.0.3,1080,,\n"},
 		{"socks-ip", "json", "101", "application/json",
 			`[{"host":"10.0.0.1","port":"1080"},{"host":"10.0.0.2","port":"1080"},{"host":"10.0.0.3","port":"1080"}]`},
+		// The sticky sessions' gateway: one HTTP port per session, one
+		// SOCKS5 port for all.
 		{"ppr-http", "txt", "102", "text/plain; charset=utf-8",
-			"192.0.2.21:8000@u102:pw-102-sim\n192.0.2.22:8000@u102:pw-102-sim\n"},
+			"192.0.2.21:10001@u102:pw-102-sim\n192.0.2.21:10002@u102:pw-102-sim\n"},
 		{"ppr-http", "csv", "102", "text/csv; charset=utf-8",
-			"host,port,login,password\n192.0.2.21,8000,u102,pw-102-sim\n192.0.2.22,8000,u102,pw-102-sim\n"},
+			"host,port,login,password\n192.0.2.21,10001,u102,pw-102-sim\n192.0.2.21,10002,u102,pw-102-sim\n"},
 		{"ppr-http", "json", "102", "application/json",
-			`[{"host":"192.0.2.21","port":"8000","login":"u102","password":"pw-102-sim"},{"host":"192.0.2.22","port":"8000","login":"u102","password":"pw-102-sim"}]`},
+			`[{"host":"192.0.2.21","port":"10001","login":"u102","password":"pw-102-sim"},{"host":"192.0.2.21","port":"10002","login":"u102","password":"pw-102-sim"}]`},
+		{"ppr-socks", "txt", "102", "text/plain; charset=utf-8", "192.0.2.21:2087@u102:pw-102-sim\n"},
+		{"ppr-http", "txt", "104", "text/plain; charset=utf-8",
+			"192.0.2.21:8000@u104:pw-104-sim\n192.0.2.22:8000@u104:pw-104-sim\n"},
 		{"ppr-socks", "txt", "104", "text/plain; charset=utf-8",
 			"192.0.2.21:9000@u104:pw-104-sim\n192.0.2.22:9000@u104:pw-104-sim\n"},
 		{"ppr-socks", "csv", "104", "text/csv; charset=utf-8",
@@ -154,7 +159,7 @@ func TestIPListLayouts(t *testing.T) {
 	// The layout from Config applies from the start.
 	ts2 := newTestSim(t, Config{Layout: Layout{TXT: TXTFourPart, CRLF: true}})
 	ts2.do(t, "GET", "/api/iplist/ppr-http/txt/102", "").want(t, "config layout", 200,
-		"192.0.2.21:8000:u102:pw-102-sim\r\n192.0.2.22:8000:u102:pw-102-sim\r\n")
+		"192.0.2.21:10001:u102:pw-102-sim\r\n192.0.2.21:10002:u102:pw-102-sim\r\n")
 	// Empty lists in the line layouts.
 	ts2.SetLayout(Layout{JSON: JSONLines})
 	ts2.do(t, "GET", "/api/iplist/socks-ip/json/105", "").want(t, "empty lines", 200, "")

@@ -4,9 +4,11 @@ import (
 	"bufio"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -20,15 +22,28 @@ import (
 // proxy (RFC 1929 username/password) on a loopback port, so that the IP lists
 // of a Sim can point at something that really relays. It is for `proxyd demo`
 // and tests, not for production traffic.
+//
+// A proxy of one protocol refuses the other: an "http" proxy whose client
+// opens with a SOCKS greeting (a first byte that cannot start an HTTP
+// request method), or a "socks5" proxy whose client opens with anything but
+// the SOCKS5 version byte, counts a protocol error (ProtocolErrors) and
+// closes the connection, as a real gateway port would fail such a client.
+//
+// So that a destination can tell which proxy carried a connection, a proxy
+// listening on a specific IP dials destinations from that IP (one on
+// 127.0.1.5 connects from 127.0.1.5), unless the proxy is on a loopback IP
+// and the destination is not (a loopback source cannot reach it).
 type Proxy struct {
 	Protocol string // "http", "socks5" or "any" (both on one port, told apart by the first byte)
-	Name     string // shown in the X-Sim-Upstream response header of plain HTTP
+	Name     string // the name it was started with; in the X-Sim-Upstream response header of plain HTTP
 
 	user, pass string
 	ln         net.Listener
 	addr       string
+	source     net.IP // the listen IP destinations are dialed from; nil: any
 
-	accepted atomic.Int64
+	accepted       atomic.Int64
+	protocolErrors atomic.Int64
 
 	mu    sync.Mutex
 	conns map[net.Conn]struct{}
@@ -37,7 +52,8 @@ type Proxy struct {
 }
 
 // StartProxy listens on addr (e.g. "127.0.0.1:0") and serves protocol
-// "http" or "socks5" with the given credentials (empty user: no auth).
+// "http", "socks5" or "any" with the given credentials (empty user: no
+// auth).
 func StartProxy(protocol, addr, name, user, pass string) (*Proxy, error) {
 	if protocol != "http" && protocol != "socks5" && protocol != "any" {
 		return nil, errors.New("providersim: proxy protocol must be http, socks5 or any")
@@ -45,6 +61,9 @@ func StartProxy(protocol, addr, name, user, pass string) (*Proxy, error) {
 	p := &Proxy{Protocol: protocol, Name: name, user: user, pass: pass, conns: map[net.Conn]struct{}{}}
 	if err := p.listen(addr); err != nil {
 		return nil, err
+	}
+	if a, ok := p.ln.Addr().(*net.TCPAddr); ok && !a.IP.IsUnspecified() {
+		p.source = a.IP
 	}
 	return p, nil
 }
@@ -94,8 +113,25 @@ func (p *Proxy) Up() error {
 	return p.listen(p.addr)
 }
 
+// Host is the IP the proxy listens on, without the port.
+func (p *Proxy) Host() string {
+	h, _, _ := net.SplitHostPort(p.addr)
+	return h
+}
+
+// Entry is the IP list line naming this proxy with the given credentials.
+func (p *Proxy) Entry(login, password string) Entry {
+	a, _ := netip.ParseAddrPort(p.addr) // a listener's own address always parses
+	return Entry{Host: a.Addr().String(), Port: int(a.Port()), Login: login, Password: password}
+}
+
 // Accepted counts the connections the proxy accepted so far.
 func (p *Proxy) Accepted() int64 { return p.accepted.Load() }
+
+// ProtocolErrors counts the connections that opened in the other protocol
+// (a SOCKS greeting to an "http" proxy, HTTP to a "socks5" one) and were
+// closed unanswered.
+func (p *Proxy) ProtocolErrors() int64 { return p.protocolErrors.Load() }
 
 // Close stops the proxy for good.
 func (p *Proxy) Close() { p.Down() }
@@ -132,14 +168,16 @@ func (p *Proxy) accept(ln net.Listener) {
 			defer p.track(c, false)
 			defer c.Close()
 			br := bufio.NewReader(c)
-			socks := p.Protocol == "socks5"
-			if p.Protocol == "any" {
-				c.SetReadDeadline(time.Now().Add(10 * time.Second))
-				first, err := br.Peek(1)
-				if err != nil {
-					return
-				}
-				socks = first[0] == 5
+			c.SetReadDeadline(time.Now().Add(60 * time.Second))
+			first, err := br.Peek(1)
+			if err != nil {
+				return // closed, or silent: a dial-only probe is no protocol error
+			}
+			socks := first[0] == socks5Version
+			switch {
+			case p.Protocol == "socks5" && !socks, p.Protocol == "http" && !httpMethodByte(first[0]):
+				p.protocolErrors.Add(1)
+				return
 			}
 			if socks {
 				p.serveSOCKS(c, br)
@@ -150,7 +188,25 @@ func (p *Proxy) accept(ln net.Listener) {
 	}
 }
 
-var dialer = net.Dialer{Timeout: 5 * time.Second}
+const socks5Version = 5
+
+// httpMethodByte reports whether b can start an HTTP request: methods are
+// tokens, and every method in use starts with an upper-case letter.
+func httpMethodByte(b byte) bool { return b >= 'A' && b <= 'Z' }
+
+// dial connects to a destination, from the proxy's own IP when it has one
+// that can reach the destination.
+func (p *Proxy) dial(hostport string) (net.Conn, error) {
+	d := net.Dialer{Timeout: 5 * time.Second}
+	if p.source != nil {
+		host, _, _ := net.SplitHostPort(hostport)
+		ip := net.ParseIP(host)
+		if !p.source.IsLoopback() || (ip != nil && ip.IsLoopback()) || strings.EqualFold(host, "localhost") {
+			d.LocalAddr = &net.TCPAddr{IP: p.source}
+		}
+	}
+	return d.Dial("tcp", hostport)
+}
 
 func (p *Proxy) serveSOCKS(c net.Conn, br *bufio.Reader) {
 	c.SetDeadline(time.Now().Add(10 * time.Second))
@@ -169,7 +225,7 @@ func (p *Proxy) serveSOCKS(c net.Conn, br *bufio.Reader) {
 		}
 		return
 	}
-	up, err := dialer.Dial("tcp", req.Dest.String())
+	up, err := p.dial(req.Dest.String())
 	if err != nil {
 		socks5.WriteReply(c, socks5.ReplyConnectionRefused, socks5.Addr{})
 		return
@@ -207,7 +263,7 @@ func (p *Proxy) serveHTTP(c net.Conn, br *bufio.Reader) {
 			continue
 		}
 		if req.Method == http.MethodConnect {
-			up, err := dialer.Dial("tcp", req.Host)
+			up, err := p.dial(req.Host)
 			if err != nil {
 				io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
 				return
@@ -233,7 +289,7 @@ func (p *Proxy) forward(c net.Conn, req *http.Request) bool {
 	if req.URL.Port() == "" {
 		host = net.JoinHostPort(req.URL.Hostname(), "80")
 	}
-	up, err := dialer.Dial("tcp", host)
+	up, err := p.dial(host)
 	if err != nil {
 		io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
 		return false
@@ -280,4 +336,64 @@ func pipe(c net.Conn, br *bufio.Reader, up net.Conn) {
 	go cp(c, up)
 	<-done
 	<-done
+}
+
+// Gateway is a pair of proxies on one IP, an HTTP one and a SOCKS5 one on
+// ports of their own, as the provider's rotating gateways serve each
+// protocol on its own port. Both carry the gateway's name.
+type Gateway struct {
+	HTTP  *Proxy
+	SOCKS *Proxy
+}
+
+// StartGateway starts a gateway pair on ip (e.g. "127.0.3.1"), each proxy
+// on a free port, with the given credentials (empty user: no auth).
+func StartGateway(ip, name, user, pass string) (*Gateway, error) {
+	hp, err := StartProxy("http", net.JoinHostPort(ip, "0"), name, user, pass)
+	if err != nil {
+		return nil, fmt.Errorf("starting the HTTP proxy of gateway %s: %w", name, err)
+	}
+	sp, err := StartProxy("socks5", net.JoinHostPort(ip, "0"), name, user, pass)
+	if err != nil {
+		hp.Close()
+		return nil, fmt.Errorf("starting the SOCKS5 proxy of gateway %s: %w", name, err)
+	}
+	return &Gateway{HTTP: hp, SOCKS: sp}, nil
+}
+
+// Name is the name the gateway was started with.
+func (g *Gateway) Name() string { return g.HTTP.Name }
+
+// Host is the IP both proxies listen on.
+func (g *Gateway) Host() string { return g.HTTP.Host() }
+
+// Session is a sticky session on this gateway: the gateway's IP as its
+// server, its HTTP port as the record's one port, and both ports per
+// protocol.
+func (g *Gateway) Session(id, exitIP string, ttl int) Session {
+	h, s := g.HTTP.Entry("", ""), g.SOCKS.Entry("", "")
+	return Session{Server: h.Host, Session: id, Port: h.Port, HTTPPort: h.Port, SOCKSPort: s.Port, ExitIP: exitIP, TTL: ttl}
+}
+
+// ProtocolErrors sums the protocol errors of both proxies.
+func (g *Gateway) ProtocolErrors() int64 { return g.HTTP.ProtocolErrors() + g.SOCKS.ProtocolErrors() }
+
+// Accepted sums the connections both proxies accepted.
+func (g *Gateway) Accepted() int64 { return g.HTTP.Accepted() + g.SOCKS.Accepted() }
+
+// Down takes both proxies down; Up brings both back on their addresses.
+func (g *Gateway) Down() {
+	g.HTTP.Down()
+	g.SOCKS.Down()
+}
+
+// Up restarts both proxies of a gateway that is Down.
+func (g *Gateway) Up() error {
+	return errors.Join(g.HTTP.Up(), g.SOCKS.Up())
+}
+
+// Close stops both proxies for good.
+func (g *Gateway) Close() {
+	g.HTTP.Close()
+	g.SOCKS.Close()
 }

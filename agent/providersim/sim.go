@@ -1,5 +1,7 @@
 // Package providersim is an in-memory simulator of the proxy provider's API
-// (../shared/PROVIDER_API.md): all 20 endpoints, HTTP Basic authentication
+// (the reseller API of FineProxy and Proxy5, version 1.0.2: clients,
+// products, services, billing, IP lists, network status, usage and sticky
+// sessions under /api/): all 20 endpoints, HTTP Basic authentication
 // with the exact error bodies of the specification, and a small stateful
 // world (clients, products, services, credit, invoices, IP lists, network
 // status, usage and sticky sessions) seeded by New.
@@ -10,6 +12,16 @@
 // simulator picks one plausible answer (documented on the handlers) and,
 // for IP lists and sticky sessions, serves several layouts chosen by
 // Layout, so that parsers can be tested against each of them.
+//
+// Rotating (ppr) gateways serve HTTP and SOCKS5 on different ports of one
+// host, as the provider's do, and the provider does not publish its sticky
+// session record. The default world is the layout believed most likely:
+// ppr lists of IPs, records naming the gateway by host name (StickyGateway,
+// which LookupHost resolves to StickyGatewayAddr) with one port, the
+// session's HTTP port. Layout.PPRHosts switches to lists that name the
+// gateway by host name, Layout.StickyPorts to records carrying a port per
+// protocol or none. StartGateway runs such a gateway for real, an HTTP and
+// a SOCKS5 Proxy on one IP.
 //
 // Tests steer it through controls (FailNext, SetLatency, MarkErrored,
 // SetEntries, ...) that are safe to call while requests are served.
@@ -38,7 +50,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"net/http"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -124,13 +138,18 @@ type Entry struct {
 	Password string
 }
 
-// Session is one sticky session of a ppr service.
+// Session is one sticky session of a ppr service. Which of its ports its
+// record carries is up to Layout.StickyPorts: Port alone (the default),
+// HTTPPort and SOCKSPort as "http_port" and "socks_port" or as a "ports"
+// object, or none. Zero per-protocol ports are left out of the record.
 type Session struct {
-	Server  string // gateway host name, the {server} of rotate
-	Session string // session ID, the {session} of rotate
-	Port    int    // gateway port of the session
-	ExitIP  string // current exit IP
-	TTL     int    // minutes
+	Server    string // gateway host name (or IP), the {server} of rotate
+	Session   string // session ID, the {session} of rotate
+	Port      int    // the record's one "port"
+	HTTPPort  int    // the session's HTTP port on the gateway; 0: none
+	SOCKSPort int    // the session's SOCKS5 port on the gateway; 0: none
+	ExitIP    string // current exit IP
+	TTL       int    // minutes
 }
 
 // Sim is the simulated provider. Create it with New; it is an http.Handler
@@ -221,7 +240,7 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-// Authentication bodies of spec §5, byte-exact.
+// Authentication error bodies of the provider's API (text/plain), byte-exact.
 const (
 	BodyUnauthenticated          = "Unauthenticated"
 	BodyInvalidAuthorizationHead = "Invalid Authorization header"
@@ -322,6 +341,42 @@ func (s *Sim) MarkErrored(id int, ips ...string) {
 // MarkInactive adds IPs to the networkstatus/inactive list of a service.
 func (s *Sim) MarkInactive(id int, ips ...string) {
 	s.withService(id, func(sv *service) { sv.inactive = addUnique(sv.inactive, ips) })
+}
+
+// SetGateway makes LookupHost resolve the gateway host name to addrs (no
+// addresses: the name no longer resolves). Names are compared
+// case-insensitively. Under Layout.PPRHosts "name", ppr list entries on one
+// of addrs are written with the name instead.
+func (s *Sim) SetGateway(name string, addrs ...string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	name = strings.ToLower(name)
+	if len(addrs) == 0 {
+		delete(s.w.gateways, name)
+		return
+	}
+	s.w.gateways[name] = slices.Clone(addrs)
+}
+
+// LookupHost is the simulated DNS of the provider's gateway host names,
+// with the signature of net.Resolver.LookupHost so that a test can hand it
+// to the code that resolves a sticky record's server: the addresses set by
+// SetGateway (StickyGateway resolves to StickyGatewayAddr in the default
+// world), an IP literal itself, and for any other name a *net.DNSError
+// with IsNotFound.
+func (s *Sim) LookupHost(ctx context.Context, host string) ([]string, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, &net.DNSError{Err: err.Error(), Name: host, IsTimeout: true}
+	}
+	if a, err := netip.ParseAddr(strings.Trim(host, "[]")); err == nil {
+		return []string{a.String()}, nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if addrs, ok := s.w.gateways[strings.ToLower(strings.TrimSuffix(host, "."))]; ok {
+		return slices.Clone(addrs), nil
+	}
+	return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
 }
 
 // ClearStatus empties both network status lists of a service.

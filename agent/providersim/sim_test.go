@@ -117,7 +117,7 @@ func TestRequestsCountsRouteTemplates(t *testing.T) {
 	}
 }
 
-// TestAuthErrors checks every answer of spec §5 byte-exact on every
+// TestAuthErrors checks every authentication answer of the API byte-exact on every
 // endpoint.
 func TestAuthErrors(t *testing.T) {
 	ts := newTestSim(t, Config{})

@@ -16,7 +16,7 @@ const (
 	ProductHidden   = 14 // fpr, hidden, in hidden group 3
 
 	ServiceStatic     = 101 // fpr Active, client 7, http-auth/http-ip/socks-ip lists of 3 entries
-	ServiceRotating   = 102 // ppr Active, client 7, ppr-http/ppr-socks lists, 2 sticky sessions on gw1.sim.example
+	ServiceRotating   = 102 // ppr Active, client 7, 2 sticky sessions on gw1.sim.example; lists name the gateway by IP
 	ServiceSuspended  = 103 // fpr Suspended, client 8; numbers encoded as strings
 	ServiceNoSessions = 104 // ppr Active, client 8, Free, no sticky sessions, no stats, nextduedate ""
 	ServiceTerminated = 105 // fpr Terminated, client 7, empty lists, nextduedate "0000-00-00"
@@ -31,8 +31,19 @@ const (
 	// InitialCredit is the account credit of the default world in USD.
 	InitialCredit = 100.00
 
-	// StickyGateway is the server of the default sticky sessions.
-	StickyGateway = "gw1.sim.example"
+	// StickyGateway is the server of the default sticky sessions: a host
+	// name, as the provider's records carry one. LookupHost resolves it to
+	// StickyGatewayAddr, the address the IP lists of ServiceRotating name.
+	StickyGateway     = "gw1.sim.example"
+	StickyGatewayAddr = "192.0.2.21"
+
+	// Ports of the default world's rotating gateway, apart per protocol
+	// like the provider's: each sticky session has its own HTTP port
+	// (StickyHTTPPort1, StickyHTTPPort2: the port its record names), and
+	// SOCKS5 is served on one port for every session.
+	StickyHTTPPort1 = 10001
+	StickyHTTPPort2 = 10002
+	StickySOCKSPort = 2087
 )
 
 const (
@@ -105,7 +116,8 @@ type world struct {
 	nextService int
 	nextOrder   int
 	nextInvoice int
-	nextExit    int // last octet of the next exit IP in 198.51.100.0/24
+	nextExit    int                 // last octet of the next exit IP in 198.51.100.0/24
+	gateways    map[string][]string // gateway host name (lower case) → addresses
 }
 
 // newWorld seeds the default world. Dates of services and invoices are
@@ -156,6 +168,7 @@ func newWorld(now time.Time) *world {
 		nextOrder:   5006,
 		nextInvoice: 7004,
 		nextExit:    3,
+		gateways:    map[string][]string{StickyGateway: {StickyGatewayAddr}},
 	}
 
 	s101 := w.newService(ServiceStatic, ClientAlice, ProductStaticUS, 5001, regDate, due, "Active", "Monthly")
@@ -163,12 +176,27 @@ func newWorld(now time.Time) *world {
 	s101.lists = fprLists([]string{"10.0.0.1", "10.0.0.2", "10.0.0.3"}, s101.username, s101.password)
 
 	s102 := w.newService(ServiceRotating, ClientAlice, ProductRotating, 5002, regDate, due, "Active", "Monthly")
-	s102.lists = pprLists(s102.username, s102.password)
+	// The rotating gateway as the provider runs it: lists of IPs, records
+	// naming the gateway's host name with one port, the session's HTTP
+	// port. So a session's HTTP upstream is found by its port in ppr-http
+	// (through the addresses the name resolves to), its SOCKS5 one as the
+	// only ppr-socks entry of the gateway.
+	s102.lists = map[string][]Entry{
+		"ppr-http": {
+			{Host: StickyGatewayAddr, Port: StickyHTTPPort1, Login: s102.username, Password: s102.password},
+			{Host: StickyGatewayAddr, Port: StickyHTTPPort2, Login: s102.username, Password: s102.password},
+		},
+		"ppr-socks": {
+			{Host: StickyGatewayAddr, Port: StickySOCKSPort, Login: s102.username, Password: s102.password},
+		},
+	}
 	s102.usageRate, s102.usageLimit = 300.5, 1024
 	s102.stats = []float64{120, 80.25, 300.5}
 	s102.sessions = []Session{
-		{Server: StickyGateway, Session: "s1", Port: 10001, ExitIP: "198.51.100.1", TTL: 5},
-		{Server: StickyGateway, Session: "s2", Port: 10002, ExitIP: "198.51.100.2", TTL: 5},
+		{Server: StickyGateway, Session: "s1", Port: StickyHTTPPort1, HTTPPort: StickyHTTPPort1, SOCKSPort: StickySOCKSPort,
+			ExitIP: "198.51.100.1", TTL: 5},
+		{Server: StickyGateway, Session: "s2", Port: StickyHTTPPort2, HTTPPort: StickyHTTPPort2, SOCKSPort: StickySOCKSPort,
+			ExitIP: "198.51.100.2", TTL: 5},
 	}
 
 	s103 := w.newService(ServiceSuspended, ClientBob, ProductStaticDE, 5003, regDate, due, "Suspended", "Quarterly")
@@ -225,7 +253,8 @@ func fprLists(hosts []string, login, password string) map[string][]Entry {
 	return lists
 }
 
-// pprLists builds the gateway lists of a rotating service.
+// pprLists builds the gateway lists of a rotating service without sticky
+// sessions: two gateways by IP, HTTP on 8000 and SOCKS5 on 9000.
 func pprLists(login, password string) map[string][]Entry {
 	return map[string][]Entry{
 		"ppr-http": {
