@@ -17,113 +17,221 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
 )
 
-// Defaults of Config.
+// Defaults of Config that are not keys of the file.
 const (
-	DefaultBaseURL = "https://api.example-provider.net"
-	DefaultTimeout = 15 * time.Second
 	DefaultVersion = "dev"
 	DefaultMaxBody = 32 << 20
 )
 
-// TokenEnv is the environment variable holding the API token (DESIGN.md §4).
+// TokenEnv is the environment variable holding the API token. It wins over
+// every credential of the file.
 const TokenEnv = "PROXYD_API_TOKEN"
 
-// Config configures a Client. Zero values mean the documented defaults.
+// Config is the [api] section of the configuration file and the options of
+// a Client. Start from DefaultConfig: a key present in the file keeps its
+// value, and Validate refuses the values that cannot work instead of
+// replacing them. Fields without a key (toml:"-") are set by the program.
 type Config struct {
-	// BaseURL is the API's address without the /api prefix; default
-	// DefaultBaseURL. http or https, no credentials, query or fragment.
-	BaseURL string
+	// BaseURL is the API's address without the /api prefix: http or
+	// https, no credentials, query or fragment.
+	BaseURL string `toml:"base_url"`
 	// Token is the dashboard API token, sent verbatim as
 	// "Authorization: Basic <Token>". It wins over Login and Password.
-	Token string
-	// Login and Password, used when Token is empty, are sent as
-	// "Authorization: Basic base64(login:password)".
-	Login    string
-	Password string
-	// Timeout bounds each request, body included; default 15s.
-	Timeout time.Duration
-	// Version goes into "User-Agent: proxyd/<Version>"; default "dev".
-	Version string
+	Token string `toml:"token"`
+	// TokenFile names a file holding the token; ResolveCredential reads it
+	// on every call, which is how a token is rotated by a reload.
+	TokenFile string `toml:"token_file"`
+	// Login and Password (or PasswordFile), used when no token is set, are
+	// sent as "Authorization: Basic base64(login:password)".
+	Login        string `toml:"login"`
+	Password     string `toml:"password"`
+	PasswordFile string `toml:"password_file"`
+	// Services are the service IDs to serve; empty means every Active
+	// service of the account. The poller is given them in PollConfig.
+	Services []int `toml:"services"`
+	// Timeout bounds each request, body included; it must be positive.
+	Timeout time.Duration `toml:"timeout"`
+
+	// Version goes into "User-Agent: proxyd/<Version>"; empty sends
+	// DefaultVersion.
+	Version string `toml:"-"`
 	// Transport sends the requests; nil means a clone of
 	// http.DefaultTransport with Proxy set to nil: environment proxy
 	// settings are never used.
-	Transport http.RoundTripper
-	// MaxBody caps a response body in bytes; default 32 MiB. A larger body
-	// fails with ErrBodyTooLarge.
-	MaxBody int64
+	Transport http.RoundTripper `toml:"-"`
+	// MaxBody caps a response body in bytes; 0 means DefaultMaxBody. A
+	// larger body fails with ErrBodyTooLarge.
+	MaxBody int64 `toml:"-"`
 	// Observe, if set, is called after each request with the route
 	// template, the HTTP status as text ("200") or "error" when no answer
 	// came, and the time taken. It may be called concurrently.
-	Observe func(route, code string, took time.Duration)
+	Observe func(route, code string, took time.Duration) `toml:"-"`
 	// Logger, if set, receives one debug record per request. It never
 	// receives the credential.
-	Logger *slog.Logger
+	Logger *slog.Logger `toml:"-"`
 }
 
-func (c Config) withDefaults() Config {
-	if c.BaseURL == "" {
-		c.BaseURL = DefaultBaseURL
+// DefaultConfig returns the [api] section with every key at its default.
+// It holds no credential.
+func DefaultConfig() Config {
+	return Config{
+		BaseURL: "https://api.example-provider.net",
+		Timeout: 15 * time.Second,
+		Version: DefaultVersion,
+		MaxBody: DefaultMaxBody,
 	}
-	if c.Timeout == 0 {
-		c.Timeout = DefaultTimeout
-	}
-	if c.Version == "" {
-		c.Version = DefaultVersion
-	}
-	if c.MaxBody == 0 {
-		c.MaxBody = DefaultMaxBody
-	}
-	return c
 }
 
-// Validate reports the first problem of the configuration after defaults.
-// Its messages never quote the credential.
+// Validate reports every problem of the section, joined with errors.Join;
+// each message starts with the key as written in the file. It does not
+// require a credential (one may come from the environment; see
+// ResolveCredential and New), and never quotes one.
 func (c Config) Validate() error {
-	c = c.withDefaults()
-	u, err := url.Parse(c.BaseURL)
-	if err != nil {
-		return fmt.Errorf("parsing base URL: %w", err)
+	var errs []error
+	bad := func(key, format string, args ...any) {
+		errs = append(errs, fmt.Errorf(key+": "+format, args...))
 	}
-	switch {
-	case u.Scheme != "http" && u.Scheme != "https":
-		return fmt.Errorf("base URL %q: scheme must be http or https", u.Redacted())
-	case u.Host == "":
-		return fmt.Errorf("base URL %q: no host", u.Redacted())
-	case u.User != nil:
-		return fmt.Errorf("base URL %q: credentials belong in token or login/password, not in the URL", u.Redacted())
-	case u.RawQuery != "" || u.Fragment != "":
-		return fmt.Errorf("base URL %q: no query or fragment allowed", u.Redacted())
-	}
-	if c.Token == "" && c.Login == "" {
-		return errors.New("no API credential: set a token, or login and password")
-	}
-	if c.Token == "" && c.Password == "" {
-		return errors.New("login is set without a password")
+	if c.BaseURL == "" {
+		bad("base_url", "must be set")
+	} else if u, err := url.Parse(c.BaseURL); err != nil {
+		bad("base_url", "cannot be parsed as a URL")
+	} else {
+		switch {
+		case u.Scheme != "http" && u.Scheme != "https":
+			bad("base_url", "%q: scheme must be http or https", u.Redacted())
+		case u.Host == "":
+			bad("base_url", "%q: no host", u.Redacted())
+		case u.User != nil:
+			bad("base_url", "%q: credentials belong in token or login/password, not in the URL", u.Redacted())
+		case u.RawQuery != "" || u.Fragment != "":
+			bad("base_url", "%q: no query or fragment allowed", u.Redacted())
+		}
 	}
 	if c.Token != "" && !headerSafe(c.Token) {
-		return errors.New("token holds whitespace or control characters")
+		bad("token", "holds whitespace or control characters")
 	}
-	if c.Token == "" && (strings.ContainsAny(c.Login, ":\r\n") || strings.ContainsAny(c.Password, "\r\n")) {
-		return errors.New("login must not hold a colon or line break, password no line break")
+	if strings.ContainsAny(c.Login, ":\r\n") {
+		bad("login", "must not hold a colon or line break")
 	}
-	if c.Timeout < 0 {
-		return fmt.Errorf("timeout %v is negative", c.Timeout)
+	if strings.ContainsAny(c.Password, "\r\n") {
+		bad("password", "must not hold a line break")
+	}
+	if c.Login != "" && c.Password == "" && c.PasswordFile == "" && c.Token == "" && c.TokenFile == "" {
+		bad("login", "is set without a password: set password or password_file")
+	}
+	for i, id := range c.Services {
+		if id <= 0 {
+			bad("services", "element %d: service IDs are positive, got %d", i, id)
+		}
+	}
+	switch {
+	case c.Timeout < 0:
+		bad("timeout", "must not be negative, got %s", c.Timeout)
+	case c.Timeout == 0:
+		bad("timeout", "must be more than 0s")
 	}
 	if c.MaxBody < 0 {
-		return fmt.Errorf("max body %d is negative", c.MaxBody)
+		errs = append(errs, fmt.Errorf("max body %d is negative", c.MaxBody))
 	}
 	if !headerSafe(c.Version) {
-		return fmt.Errorf("version %q holds whitespace or control characters", c.Version)
+		errs = append(errs, fmt.Errorf("version %q holds whitespace or control characters", c.Version))
+	}
+	return errors.Join(errs...)
+}
+
+// Sources of the credential ResolveCredential reports.
+const (
+	SourceEnv            = TokenEnv                       // the environment variable
+	SourceTokenFile      = "token_file"                   // [api] token_file
+	SourceToken          = "token"                        // [api] token
+	SourceCredentialsDir = "$CREDENTIALS_DIRECTORY/token" // systemd LoadCredential
+	SourceLogin          = "login"                        // [api] login with password or password_file
+)
+
+// FixedSource reports whether a credential from source is fixed while the
+// process runs (the environment, systemd's credentials): a reload cannot
+// change it, so a reload that would needs a restart.
+func FixedSource(source string) bool {
+	return source == SourceEnv || source == SourceCredentialsDir
+}
+
+// ResolveCredential returns c with its credential resolved by this
+// precedence: the PROXYD_API_TOKEN environment variable, token_file, token,
+// a file "token" in $CREDENTIALS_DIRECTORY (systemd's LoadCredential), then
+// login with password or password_file (the file wins). The result holds
+// either Token or Login and Password, with the file keys cleared; source is
+// one of the Source constants. Files are read on every call. getenv is
+// os.Getenv outside tests. Errors start with the key at fault and name
+// files, never their content.
+func (c Config) ResolveCredential(getenv func(string) string) (Config, string, error) {
+	tokenOnly := func(tok string) Config {
+		c.Token, c.TokenFile, c.Login, c.Password, c.PasswordFile = tok, "", "", "", ""
+		return c
+	}
+	if t := strings.TrimSpace(getenv(TokenEnv)); t != "" {
+		if !headerSafe(t) {
+			return c, "", fmt.Errorf("%s: holds whitespace or control characters", TokenEnv)
+		}
+		return tokenOnly(t), SourceEnv, nil
+	}
+	if c.TokenFile != "" {
+		t, err := ReadTokenFile(c.TokenFile)
+		if err != nil {
+			return c, "", fmt.Errorf("token_file: %w", err)
+		}
+		return tokenOnly(t), SourceTokenFile, nil
+	}
+	if c.Token != "" {
+		return tokenOnly(c.Token), SourceToken, nil
+	}
+	if dir := getenv("CREDENTIALS_DIRECTORY"); dir != "" {
+		path := filepath.Join(dir, "token")
+		if _, err := os.Stat(path); err == nil {
+			t, err := ReadTokenFile(path)
+			if err != nil {
+				return c, "", fmt.Errorf("token: systemd credential: %w", err)
+			}
+			return tokenOnly(t), SourceCredentialsDir, nil
+		}
+	}
+	if c.Login != "" {
+		if c.PasswordFile != "" {
+			pw, err := readSecretFile(c.PasswordFile)
+			if err != nil {
+				return c, "", fmt.Errorf("password_file: %w", err)
+			}
+			c.Password = pw
+		}
+		if c.Password == "" {
+			return c, "", errors.New("login: is set without a password: set password or password_file")
+		}
+		c.Token, c.TokenFile, c.PasswordFile = "", "", ""
+		return c, SourceLogin, nil
+	}
+	return c, "", errors.New("token: no API credential: set " + TokenEnv +
+		", token_file, token, a systemd credential \"token\", or login with password or password_file")
+}
+
+// credentialProblem reports a Config that New cannot authenticate with:
+// ResolveCredential's result is expected.
+func (c Config) credentialProblem() error {
+	if c.Token == "" && c.Login == "" {
+		return errors.New("token: no API credential: set a token, or login and password")
+	}
+	if c.Token == "" && c.Password == "" {
+		return errors.New("login: is set without a password")
 	}
 	return nil
 }
@@ -140,18 +248,35 @@ func headerSafe(s string) bool {
 // ReadTokenFile reads an API token from path, trimming surrounding
 // whitespace. Its errors name the path, never the content.
 func ReadTokenFile(path string) (string, error) {
-	b, err := os.ReadFile(path)
+	tok, err := readSecretFile(path)
 	if err != nil {
-		return "", fmt.Errorf("reading token file: %w", err)
+		return "", err
 	}
-	tok := strings.TrimSpace(string(b))
-	switch {
-	case tok == "":
-		return "", fmt.Errorf("reading token file %s: file is empty", path)
-	case !headerSafe(tok):
-		return "", fmt.Errorf("reading token file %s: token holds whitespace or control characters", path)
+	if !headerSafe(tok) {
+		return "", fmt.Errorf("reading %s: token holds whitespace or control characters", path)
 	}
 	return tok, nil
+}
+
+// readSecretFile reads a one-line secret, trimming surrounding whitespace.
+// Its errors name the path, never the content.
+func readSecretFile(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		var pe *fs.PathError
+		if errors.As(err, &pe) {
+			return "", fmt.Errorf("reading %s: %w", path, pe.Err)
+		}
+		return "", fmt.Errorf("reading %s: %w", path, err)
+	}
+	s := strings.TrimSpace(string(b))
+	switch {
+	case s == "":
+		return "", fmt.Errorf("reading %s: file is empty", path)
+	case strings.ContainsAny(s, "\r\n"):
+		return "", fmt.Errorf("reading %s: more than one line", path)
+	}
+	return s, nil
 }
 
 // Client calls the provider API. It is safe for concurrent use.
@@ -168,10 +293,15 @@ type Client struct {
 
 // New returns a Client for cfg, or cfg's validation error.
 func New(cfg Config) (*Client, error) {
-	if err := cfg.Validate(); err != nil {
+	if err := errors.Join(cfg.Validate(), cfg.credentialProblem()); err != nil {
 		return nil, fmt.Errorf("configuring provider API client: %w", err)
 	}
-	cfg = cfg.withDefaults()
+	if cfg.Version == "" {
+		cfg.Version = DefaultVersion
+	}
+	if cfg.MaxBody == 0 {
+		cfg.MaxBody = DefaultMaxBody
+	}
 	c := &Client{
 		base:    strings.TrimRight(cfg.BaseURL, "/"),
 		ua:      "proxyd/" + cfg.Version,

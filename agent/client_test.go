@@ -22,7 +22,7 @@ const testToken = "tok-Zq9XvB7rLm2Kp4Ws8Yt1"
 
 func newTestClient(t *testing.T, baseURL string) *Client {
 	t.Helper()
-	c, err := New(Config{BaseURL: baseURL, Token: testToken, Version: "1.2.3", Timeout: 5 * time.Second})
+	c, err := New(apiConfig(func(c *Config) { c.BaseURL, c.Token, c.Version, c.Timeout = baseURL, testToken, "1.2.3", 5*time.Second }))
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
@@ -63,36 +63,46 @@ func serve(t *testing.T, status int, body string) (*httptest.Server, *recorded) 
 	return srv, rec
 }
 
+// apiConfig is DefaultConfig changed by set.
+func apiConfig(set func(c *Config)) Config {
+	c := DefaultConfig()
+	set(&c)
+	return c
+}
+
 func TestConfigValidate(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		cfg  Config
-		want string // substring of the error; "" = valid
+		set  func(c *Config) // applied to DefaultConfig
+		want string          // substring of the error; "" = valid
 	}{
-		{"token", Config{Token: "abc"}, ""},
-		{"login", Config{Login: "a@b.c", Password: "pw"}, ""},
-		{"token wins", Config{Token: "abc", Login: "x"}, ""},
-		{"no credential", Config{}, "no API credential"},
-		{"login without password", Config{Login: "a"}, "without a password"},
-		{"token with space", Config{Token: "abc def"}, "whitespace"},
-		{"token with newline", Config{Token: "abc\r\n"}, "whitespace"},
-		{"login with colon", Config{Login: "a:b", Password: "p"}, "colon"},
-		{"bad scheme", Config{Token: "t", BaseURL: "ftp://x"}, "scheme"},
-		{"no host", Config{Token: "t", BaseURL: "http://"}, "no host"},
-		{"creds in url", Config{Token: "t", BaseURL: "https://u:pw@api.example"}, "not in the URL"},
-		{"query", Config{Token: "t", BaseURL: "https://api.example/?a=1"}, "query"},
-		{"negative timeout", Config{Token: "t", Timeout: -1}, "negative"},
-		{"negative max body", Config{Token: "t", MaxBody: -1}, "negative"},
-		{"bad version", Config{Token: "t", Version: "1 2"}, "version"},
+		{"token", func(c *Config) { c.Token = "abc" }, ""},
+		{"login", func(c *Config) { c.Login = "a@b.c"; c.Password = "pw" }, ""},
+		{"token wins", func(c *Config) { c.Token = "abc"; c.Login = "x" }, ""},
+		{"no credential", func(c *Config) {}, "no API credential"},
+		{"login without password", func(c *Config) { c.Login = "a" }, "without a password"},
+		{"token with space", func(c *Config) { c.Token = "abc def" }, "whitespace"},
+		{"token with newline", func(c *Config) { c.Token = "abc\r\n" }, "whitespace"},
+		{"login with colon", func(c *Config) { c.Login = "a:b"; c.Password = "p" }, "colon"},
+		{"bad scheme", func(c *Config) { c.Token = "t"; c.BaseURL = "ftp://x" }, "scheme"},
+		{"no host", func(c *Config) { c.Token = "t"; c.BaseURL = "http://" }, "no host"},
+		{"creds in url", func(c *Config) { c.Token = "t"; c.BaseURL = "https://u:pw@api.example" }, "not in the URL"},
+		{"query", func(c *Config) { c.Token = "t"; c.BaseURL = "https://api.example/?a=1" }, "query"},
+		{"negative timeout", func(c *Config) { c.Token = "t"; c.Timeout = -1 }, "negative"},
+		{"negative max body", func(c *Config) { c.Token = "t"; c.MaxBody = -1 }, "negative"},
+		{"bad version", func(c *Config) { c.Token = "t"; c.Version = "1 2" }, "version"},
 	} {
-		err := tc.cfg.Validate()
+		// The section's problems come from Validate, a missing credential
+		// from New: a credential may come from the environment.
+		cfg := apiConfig(tc.set)
+		_, err := New(cfg)
 		switch {
 		case tc.want == "" && err != nil:
 			t.Errorf("%s: unexpected error %v", tc.name, err)
 		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
 			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.want)
 		}
-		if err != nil && tc.cfg.Token != "" && strings.Contains(err.Error(), tc.cfg.Token) && len(tc.cfg.Token) > 1 {
+		if err != nil && cfg.Token != "" && strings.Contains(err.Error(), cfg.Token) && len(cfg.Token) > 1 {
 			t.Errorf("%s: error %q quotes the token", tc.name, err)
 		}
 		if err != nil && strings.Contains(err.Error(), "pw@") {
@@ -126,7 +136,9 @@ func TestRequestHeaders(t *testing.T) {
 	}
 
 	// Login + password: base64(login:password); default version.
-	c2, err := New(Config{BaseURL: srv.URL, Login: "demo@example.com", Password: "demo-password"})
+	c2, err := New(apiConfig(func(c *Config) {
+		c.BaseURL, c.Login, c.Password, c.Version = srv.URL, "demo@example.com", "demo-password", ""
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -198,12 +210,14 @@ func TestTimeoutAndCancel(t *testing.T) {
 	defer close(release)
 	var codes []string
 	var mu sync.Mutex
-	c, err := New(Config{BaseURL: srv.URL, Token: testToken, Timeout: 100 * time.Millisecond,
-		Observe: func(route, code string, took time.Duration) {
+	c, err := New(apiConfig(func(c *Config) {
+		c.BaseURL, c.Token, c.Timeout = srv.URL, testToken, 100*time.Millisecond
+		c.Observe = func(route, code string, took time.Duration) {
 			mu.Lock()
 			codes = append(codes, route+" "+code)
 			mu.Unlock()
-		}})
+		}
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -229,14 +243,14 @@ func TestTimeoutAndCancel(t *testing.T) {
 
 func TestBodyCap(t *testing.T) {
 	srv, _ := serve(t, 200, `[`+strings.Repeat(`{"id":1},`, 200)+`{"id":2}]`)
-	c, err := New(Config{BaseURL: srv.URL, Token: testToken, MaxBody: 1000})
+	c, err := New(apiConfig(func(c *Config) { c.BaseURL, c.Token, c.MaxBody = srv.URL, testToken, 1000 }))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := c.Clients(context.Background()); !errors.Is(err, ErrBodyTooLarge) {
 		t.Errorf("err = %v, want ErrBodyTooLarge", err)
 	}
-	c, _ = New(Config{BaseURL: srv.URL, Token: testToken})
+	c, _ = New(apiConfig(func(c *Config) { c.BaseURL, c.Token, c.MaxBody = srv.URL, testToken, 0 }))
 	if got, err := c.Clients(context.Background()); err != nil || len(got) != 201 {
 		t.Errorf("default cap: %d clients, err %v", len(got), err)
 	}
@@ -263,9 +277,10 @@ func TestNoEnvironmentProxy(t *testing.T) {
 func TestObserveCodes(t *testing.T) {
 	srv, _ := serve(t, 422, `{"error":"Unprocessable Entity "}`)
 	var got []string
-	c, err := New(Config{BaseURL: srv.URL, Token: testToken, Observe: func(route, code string, took time.Duration) {
-		got = append(got, route+" "+code)
-	}})
+	c, err := New(apiConfig(func(c *Config) {
+		c.BaseURL, c.Token = srv.URL, testToken
+		c.Observe = func(route, code string, took time.Duration) { got = append(got, route+" "+code) }
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -330,9 +345,9 @@ func TestTokenNeverLeaks(t *testing.T) {
 	defer srv.Close()
 
 	for _, cfg := range []Config{
-		{Token: testToken},
-		{Login: "demo@example.com", Password: password},
-		{Token: loginEnc},
+		apiConfig(func(c *Config) { c.Token = testToken }),
+		apiConfig(func(c *Config) { c.Login, c.Password = "demo@example.com", password }),
+		apiConfig(func(c *Config) { c.Token = loginEnc }),
 	} {
 		var logBuf bytes.Buffer
 		cfg.BaseURL = srv.URL
@@ -378,10 +393,12 @@ func TestTokenNeverLeaks(t *testing.T) {
 // Authorization header (as a debugging proxy might) loses the credential
 // but keeps the error chain.
 func TestTransportErrorScrubbed(t *testing.T) {
-	c, err := New(Config{BaseURL: "http://127.0.0.1:1", Token: testToken,
-		Transport: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+	c, err := New(apiConfig(func(c *Config) {
+		c.BaseURL, c.Token = "http://127.0.0.1:1", testToken
+		c.Transport = roundTripFunc(func(r *http.Request) (*http.Response, error) {
 			return nil, fmt.Errorf("proxy refused %q: %w", r.Header.Get("Authorization"), context.DeadlineExceeded)
-		})})
+		})
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}

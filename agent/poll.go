@@ -7,9 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"math/rand/v2"
-	"net"
 	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -30,54 +28,79 @@ var loopNames = [numLoops]string{"account", "lists", "status", "usage"}
 
 func (l Loop) String() string { return loopNames[l] }
 
-// PollConfig holds the options of the poll loops. Zero durations take the
-// defaults of DESIGN.md §4.
+// PollConfig is the [poll] section of the configuration file and the
+// options of the poll loops. Start from DefaultPollConfig: a key present in
+// the file keeps its value, and Validate refuses what cannot work. Fields
+// without a key (toml:"-") are set by the program.
 type PollConfig struct {
-	Services      []int         // service IDs to serve; empty = every Active service of the account
-	Protocols     []string      // how listeners dial upstreams: "http", "socks5"; decides which lists are fetched
-	IPList        time.Duration // default 10m
-	NetworkStatus time.Duration // default 30s
-	Usage         time.Duration // default 1m
-	Account       time.Duration // default 15m
-	Jitter        float64       // share of each interval added or removed at random; default 0.1
-	MaxBackoff    time.Duration // cap of the wait after failures; default 10m
+	IPList        time.Duration `toml:"ip_list"`        // IP lists and sticky sessions
+	NetworkStatus time.Duration `toml:"network_status"` // errored and inactive IPs
+	Usage         time.Duration `toml:"usage"`          // rate of ppr services
+	Account       time.Duration `toml:"account"`        // services, credit, invoices
+	// Jitter is the share of each wait added or removed at random, 0–0.5;
+	// 0 waits exactly the interval.
+	Jitter float64 `toml:"jitter"`
+	// MaxBackoff caps the wait after failures (a 429's named time still wins).
+	MaxBackoff time.Duration `toml:"max_backoff"`
+
+	// Services are the service IDs to serve (the [api] services key); empty
+	// means every Active service of the account.
+	Services []int `toml:"-"`
+	// Protocols are how the listeners dial upstreams ("http", "socks5"); they
+	// decide which IP lists are fetched. Empty fetches none.
+	Protocols []string `toml:"-"`
+	// Manage is the [manage] section: actions taken on the account.
+	Manage ManageConfig `toml:"-"`
+	// OnEvent, if set, receives the events of the list updates Manage
+	// requests. It is called from the poll loops and must not block.
+	OnEvent func(Event) `toml:"-"`
+	// LookupHost resolves sticky session servers to match them against
+	// lists of IPs; nil means net.DefaultResolver.LookupHost.
+	LookupHost func(ctx context.Context, host string) ([]string, error) `toml:"-"`
 }
 
-func (c *PollConfig) setDefaults() {
-	def := func(d *time.Duration, v time.Duration) {
-		if *d <= 0 {
-			*d = v
-		}
-	}
-	def(&c.IPList, 10*time.Minute)
-	def(&c.NetworkStatus, 30*time.Second)
-	def(&c.Usage, time.Minute)
-	def(&c.Account, 15*time.Minute)
-	def(&c.MaxBackoff, 10*time.Minute)
-	if c.Jitter == 0 {
-		c.Jitter = 0.1
-	}
-	if len(c.Protocols) == 0 {
-		c.Protocols = []string{"http", "socks5"}
+// DefaultPollConfig returns the [poll] section with every key at its
+// default, both protocols and [manage] at its defaults (off).
+func DefaultPollConfig() PollConfig {
+	return PollConfig{
+		IPList:        10 * time.Minute,
+		NetworkStatus: 30 * time.Second,
+		Usage:         time.Minute,
+		Account:       15 * time.Minute,
+		Jitter:        0.1,
+		MaxBackoff:    10 * time.Minute,
+		Protocols:     []string{"http", "socks5"},
+		Manage:        DefaultManageConfig(),
 	}
 }
 
-// Validate reports options that cannot work.
+// Validate reports every problem of the section, joined with errors.Join;
+// each message starts with the key as written in the file. Manage is
+// validated on its own (ManageConfig.Validate), as its own section.
 func (c PollConfig) Validate() error {
-	for _, d := range []time.Duration{c.IPList, c.NetworkStatus, c.Usage, c.Account} {
-		if d != 0 && d < time.Second {
-			return fmt.Errorf("poll intervals must be at least 1s, got %s", d)
+	var errs []error
+	for _, d := range []struct {
+		key string
+		v   time.Duration
+	}{{"ip_list", c.IPList}, {"network_status", c.NetworkStatus}, {"usage", c.Usage}, {"account", c.Account}, {"max_backoff", c.MaxBackoff}} {
+		if d.v < time.Second {
+			errs = append(errs, fmt.Errorf("%s: must be at least 1s, got %s", d.key, d.v))
 		}
 	}
-	if c.Jitter < 0 || c.Jitter > 0.5 {
-		return fmt.Errorf("jitter must be between 0 and 0.5, got %g", c.Jitter)
+	if c.Jitter < 0 || c.Jitter > 0.5 || c.Jitter != c.Jitter {
+		errs = append(errs, fmt.Errorf("jitter: must be within 0–0.5, got %g", c.Jitter))
+	}
+	for i, id := range c.Services {
+		if id <= 0 {
+			errs = append(errs, fmt.Errorf("services: element %d: service IDs are positive, got %d", i, id))
+		}
 	}
 	for _, p := range c.Protocols {
 		if p != "http" && p != "socks5" {
-			return fmt.Errorf("unknown protocol %q", p)
+			errs = append(errs, fmt.Errorf("unknown upstream protocol %q", p))
 		}
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // ServiceState is what the agent knows of one served service.
@@ -92,6 +115,10 @@ type ServiceState struct {
 	HasUsage    bool
 	ListsKnown  bool // every needed list was fetched at least once
 	StatusKnown bool
+	// Resolved maps each sticky session's server that is not an IP address
+	// to the addresses it resolved to in the last lists round: how a
+	// session's port is found in a list of IPs. Empty when the lookup failed.
+	Resolved map[string][]string
 }
 
 // Snapshot is the agent's whole view, handed to the daemon after each change.
@@ -107,45 +134,62 @@ type Snapshot struct {
 	CreditKnown  bool
 	Accounts     []ServiceItem // every service of the account, as listed
 	Invoices     []Invoice
+	// UnpaidInvoices and UnpaidUSD count and sum the account's invoices in
+	// status Unpaid or Collections ("Payment Pending" is not unpaid): an
+	// unpaid invoice is how the provider suspends services. Valid when
+	// InvoicesKnown.
+	UnpaidInvoices int
+	UnpaidUSD      float64
+	InvoicesKnown  bool
 }
 
 // Poller runs the agent's poll loops against a Client and hands a Snapshot
 // to OnChange after every change. Each loop has a PollOnce for tests.
 type Poller struct {
-	client   *Client
-	cfg      PollConfig
 	onChange func(Snapshot)
 	log      *slog.Logger
-	now      func() time.Time
+	now      func() time.Time // the clock; tests replace it before any round
 
 	mu       sync.Mutex
+	client   *Client
+	cfg      PollConfig
+	gen      uint64          // bumped by Reconfigure: a round begun before drops its results
+	trusted  map[string]bool // after a provider change: keys already swapped in without confirmation
 	snap     Snapshot
 	services map[int]*ServiceState
-	pending  map[string]int // list key → size of an unconfirmed small list
-	lastGood map[string]int // list key → size of the last list swapped in
+	pending  map[string]int    // list key → size of an unconfirmed small list
+	lastGood map[string]int    // list key → size of the last list swapped in
+	formats  map[string]string // list type → the format that last parsed
+	manage   map[int]*manageState
 
-	protocols []string // guarded by mu; starts as cfg.Protocols
-	kicks     [numLoops]chan struct{}
+	kicks [numLoops]chan struct{}
+	// kickAfterAccount makes the end of the next account round kick the
+	// other loops: set by Reconfigure, so that a new provider's services
+	// get their lists at once.
+	kickAfterAccount atomic.Bool
 
 	beats  [numLoops]atomic.Int64 // unix nanos of each loop's last heartbeat
 	rounds [numLoops]atomic.Int64 // rounds completed, successful or not
 }
 
-// NewPoller returns a Poller; onChange may be nil.
+// NewPoller returns a Poller; onChange may be nil. cfg is used as given:
+// start from DefaultPollConfig.
 func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.Logger) (*Poller, error) {
-	if err := cfg.Validate(); err != nil {
+	if err := errors.Join(cfg.Validate(), cfg.Manage.Validate()); err != nil {
 		return nil, err
 	}
-	cfg.setDefaults()
+	if c == nil {
+		return nil, errors.New("poller needs a client")
+	}
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
 	if onChange == nil {
 		onChange = func(Snapshot) {}
 	}
-	p := &Poller{client: c, cfg: cfg, onChange: onChange, log: logger, now: time.Now,
-		services: map[int]*ServiceState{}, pending: map[string]int{}, lastGood: map[string]int{}}
-	p.protocols = slices.Clone(cfg.Protocols)
+	p := &Poller{client: c, cfg: cloneConfig(cfg), onChange: onChange, log: logger, now: time.Now,
+		services: map[int]*ServiceState{}, pending: map[string]int{}, lastGood: map[string]int{},
+		formats: map[string]string{}, manage: map[int]*manageState{}}
 	for i := range p.beats {
 		p.beats[i].Store(p.now().UnixNano())
 		p.kicks[i] = make(chan struct{}, 1)
@@ -153,21 +197,73 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 	return p, nil
 }
 
+func cloneConfig(c PollConfig) PollConfig {
+	c.Services = slices.Clone(c.Services)
+	c.Protocols = slices.Clone(c.Protocols)
+	return c
+}
+
+// Reconfigure moves the loops to client c and cfg at once (a reload): every
+// loop is woken, its next wait uses the new intervals, and results of
+// rounds begun before are dropped. Rotations in flight finish against the
+// client they started with. providerChanged (a new base URL or credential)
+// lets the next lists and service list replace the old ones without the
+// confirmation a far smaller list needs (the operator asked for the
+// change). A changed service set takes effect at the account round this
+// triggers, which kicks the other loops when it ends.
+func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) error {
+	if err := errors.Join(cfg.Validate(), cfg.Manage.Validate()); err != nil {
+		return err
+	}
+	if c == nil {
+		return errors.New("poller needs a client")
+	}
+	p.mu.Lock()
+	p.client = c
+	p.cfg = cloneConfig(cfg)
+	p.gen++
+	if providerChanged {
+		p.trusted = map[string]bool{}
+		clear(p.pending)
+		clear(p.manage) // the new provider's lists start their own clocks
+	}
+	p.mu.Unlock()
+	p.kickAfterAccount.Store(true)
+	for l := Loop(0); l < numLoops; l++ {
+		p.Kick(l)
+	}
+	return nil
+}
+
+// current returns the client, config and generation a round works with.
+func (p *Poller) current() (*Client, PollConfig, uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.client, p.cfg, p.gen
+}
+
 // Run runs every loop until ctx ends. The account loop polls first so that
 // the others know which services to serve.
 func (p *Poller) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
-	intervals := [numLoops]time.Duration{p.cfg.Account, p.cfg.IPList, p.cfg.NetworkStatus, p.cfg.Usage}
 	first := make(chan struct{}) // closed after the account loop's first round
 	for l := Loop(0); l < numLoops; l++ {
 		wg.Go(func() {
 			afterRound := func() {}
 			if l == LoopAccount {
-				afterRound = sync.OnceFunc(func() { close(first) })
+				closeFirst := sync.OnceFunc(func() { close(first) })
+				afterRound = func() {
+					closeFirst()
+					if p.kickAfterAccount.Swap(false) {
+						for o := LoopAccount + 1; o < numLoops; o++ {
+							p.Kick(o)
+						}
+					}
+				}
 			} else if !p.wait(ctx, l, first, nil) {
 				return
 			}
-			p.loop(ctx, l, intervals[l], afterRound)
+			p.loop(ctx, l, afterRound)
 		})
 	}
 	wg.Wait()
@@ -177,7 +273,12 @@ func (p *Poller) Run(ctx context.Context) error {
 // heartbeatEvery is how often an idle loop shows it is alive.
 const heartbeatEvery = time.Second
 
-func (p *Poller) loop(ctx context.Context, l Loop, interval time.Duration, afterRound func()) {
+func (p *Poller) interval(l Loop) time.Duration {
+	_, cfg, _ := p.current()
+	return [numLoops]time.Duration{cfg.Account, cfg.IPList, cfg.NetworkStatus, cfg.Usage}[l]
+}
+
+func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
 	failures := 0
 	for {
 		err := p.PollOnce(ctx, l)
@@ -188,7 +289,7 @@ func (p *Poller) loop(ctx context.Context, l Loop, interval time.Duration, after
 		if err != nil {
 			failures++
 		}
-		wait := p.nextWait(interval, failures, err)
+		wait := p.nextWait(p.interval(l), failures, err)
 		if err != nil {
 			p.log.Warn("provider API poll failed", "loop", l.String(), "err", err, "failures", failures, "retry_in", wait.Round(time.Millisecond))
 		} else {
@@ -239,8 +340,8 @@ func (p *Poller) Kick(l Loop) {
 // which IP lists are fetched (after a reload); the lists loop polls at once.
 func (p *Poller) SetProtocols(protocols []string) {
 	p.mu.Lock()
-	changed := !slices.Equal(p.protocols, protocols)
-	p.protocols = slices.Clone(protocols)
+	changed := !slices.Equal(p.cfg.Protocols, protocols)
+	p.cfg.Protocols = slices.Clone(protocols)
 	p.mu.Unlock()
 	if changed {
 		p.Kick(LoopLists)
@@ -279,10 +380,11 @@ func (p *Poller) Alive(maxAge time.Duration) bool {
 }
 
 func (p *Poller) jitter(d time.Duration) time.Duration {
-	if p.cfg.Jitter <= 0 {
+	_, cfg, _ := p.current()
+	if cfg.Jitter <= 0 {
 		return d
 	}
-	f := 1 + p.cfg.Jitter*(2*rand.Float64()-1)
+	f := 1 + cfg.Jitter*(2*rand.Float64()-1)
 	return time.Duration(float64(d) * f)
 }
 
@@ -304,14 +406,15 @@ func (p *Poller) nextWait(interval time.Duration, failures int, err error) time.
 }
 
 // backoff after n consecutive failures: starting at the smaller of the
-// interval and 5s, doubling, capped by MaxBackoff (and never below 1s).
+// interval and 5s, doubling, capped by max_backoff (and never below 1s).
 func (p *Poller) backoff(interval time.Duration, n int) time.Duration {
+	_, cfg, _ := p.current()
 	base := min(interval, 5*time.Second)
 	d := base
-	for i := 1; i < n && d < p.cfg.MaxBackoff; i++ {
+	for i := 1; i < n && d < cfg.MaxBackoff; i++ {
 		d *= 2
 	}
-	d = min(d, p.cfg.MaxBackoff)
+	d = min(d, cfg.MaxBackoff)
 	return max(p.jitter(d), time.Second)
 }
 
@@ -335,14 +438,34 @@ func (p *Poller) served() []int {
 
 func servable(status string) bool { return status == "Active" }
 
+// unpaid reports whether an invoice in this status is owed: Unpaid or
+// Collections. Payment Pending is on its way and does not count.
+func unpaid(status string) bool { return status == "Unpaid" || status == "Collections" }
+
+// unpaidTotal counts and sums the unpaid invoices.
+func unpaidTotal(invoices []Invoice) (n int, usd float64) {
+	for _, v := range invoices {
+		if unpaid(v.Status) {
+			n++
+			usd += v.Amount
+		}
+	}
+	return n, usd
+}
+
 func (p *Poller) pollAccount(ctx context.Context) error {
-	items, err := p.client.Services(ctx)
+	client, cfg, gen := p.current()
+	items, err := client.Services(ctx)
 	if err != nil {
 		return fmt.Errorf("polling services: %w", err)
 	}
 	p.beat(LoopAccount)
 	p.mu.Lock()
-	listOK := len(p.cfg.Services) > 0 || p.confirm("services", len(items))
+	if p.gen != gen {
+		p.mu.Unlock()
+		return nil // reconfigured meanwhile: the next round asks the new API
+	}
+	listOK := len(cfg.Services) > 0 || p.confirm("services", len(items))
 	p.mu.Unlock()
 	if !listOK {
 		// An empty service list, or one far smaller than the last, would
@@ -355,7 +478,7 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 		}
 		p.mu.Unlock()
 	}
-	want := p.cfg.Services
+	want := cfg.Services
 	if len(want) == 0 {
 		for _, s := range items {
 			if servable(s.Status) {
@@ -367,7 +490,7 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 	var dropped []int
 	var firstErr error
 	for _, id := range want {
-		rec, err := p.client.Service(ctx, id)
+		rec, err := client.Service(ctx, id)
 		p.beat(LoopAccount)
 		if err != nil {
 			if firstErr == nil {
@@ -381,22 +504,28 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 		}
 		records[id] = *rec
 	}
-	credit, cerr := p.client.Credit(ctx)
+	credit, cerr := client.Credit(ctx)
 	p.beat(LoopAccount)
-	invoices, ierr := p.client.Invoices(ctx)
+	invoices, ierr := client.Invoices(ctx)
 	p.beat(LoopAccount)
 
 	p.mu.Lock()
+	if p.gen != gen {
+		p.mu.Unlock()
+		return nil
+	}
 	p.snap.AccountKnown = p.snap.AccountKnown || listOK
 	p.snap.Wanted = slices.Clone(want)
 	if listOK {
 		p.snap.Accounts = items
 	}
+	added := false
 	for id, rec := range records {
 		st := p.services[id]
 		if st == nil {
 			st = &ServiceState{ID: id, Lists: map[string][]Entry{}}
 			p.services[id] = st
+			added = true
 		}
 		st.Record = rec
 	}
@@ -408,6 +537,7 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 		}
 		if slices.Contains(dropped, id) || !slices.Contains(want, id) {
 			delete(p.services, id)
+			delete(p.manage, id)
 			if !slices.Contains(dropped, id) {
 				dropped = append(dropped, id)
 			}
@@ -419,8 +549,17 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 	}
 	if ierr == nil {
 		p.snap.Invoices = invoices
+		p.snap.UnpaidInvoices, p.snap.UnpaidUSD = unpaidTotal(invoices)
+		p.snap.InvoicesKnown = true
 	}
 	p.mu.Unlock()
+	if added && p.rounds[LoopAccount].Load() > 0 {
+		// A service that joined later gets its lists and status now, not
+		// after the other loops' intervals.
+		for l := LoopAccount + 1; l < numLoops; l++ {
+			p.Kick(l)
+		}
+	}
 	p.changed()
 	switch {
 	case firstErr != nil:
@@ -433,12 +572,11 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 	return nil
 }
 
-// listTypes returns the IP list types a service needs (DESIGN.md §2).
-func (p *Poller) listTypes(kind string) []string {
+// listTypes returns the IP list types a service of kind needs for the
+// given upstream protocols (one list per service and protocol): fpr http
+// from http-auth, fpr socks5 from socks-ip, ppr from ppr-http and ppr-socks.
+func listTypes(kind string, protocols []string) []string {
 	var types []string
-	p.mu.Lock()
-	protocols := p.protocols
-	p.mu.Unlock()
 	for _, proto := range protocols {
 		switch {
 		case kind == "ppr" && proto == "http":
@@ -457,95 +595,158 @@ func (p *Poller) listTypes(kind string) []string {
 func (p *Poller) pollLists(ctx context.Context) error {
 	var firstErr error
 	fetched := 0
+	_, _, gen := p.current()
 	for _, id := range p.served() {
-		p.mu.Lock()
-		st := p.services[id]
-		kind := ""
-		if st != nil {
-			kind = st.Record.ProductType
+		ok, err := p.pollServiceLists(ctx, id)
+		if err != nil && firstErr == nil {
+			firstErr = err
 		}
-		p.mu.Unlock()
-		if st == nil {
-			continue
+		if ok {
+			fetched++
 		}
-		lists := map[string][]Entry{}
-		ok := true
-		for _, typ := range p.listTypes(kind) {
-			l, err := p.client.IPList(ctx, id, typ, "json")
-			p.beat(LoopLists)
-			if err != nil {
-				ok = false
-				if firstErr == nil {
-					firstErr = fmt.Errorf("polling %s list of service %d: %w", typ, id, err)
-				}
-				continue
-			}
-			if l.Bad > 0 {
-				p.log.Warn("IP list has lines that could not be read", "service", id, "type", typ, "bad", l.Bad)
-			}
-			lists[typ] = l.Entries
-		}
-		var sticky []StickySession
-		stickyOK := true
-		if kind == "ppr" {
-			sl, err := p.client.StickyList(ctx, id)
-			p.beat(LoopLists)
-			if err != nil {
-				stickyOK = false
-				if firstErr == nil {
-					firstErr = fmt.Errorf("polling sticky sessions of service %d: %w", id, err)
-				}
-			} else {
-				sticky = sl.Sessions
-			}
-		}
-		p.mu.Lock()
-		st = p.services[id]
-		if st != nil {
-			accepted := true
-			for typ, entries := range lists {
-				key := fmt.Sprintf("%d/%s", id, typ)
-				if p.confirm(key, len(entries)) {
-					st.Lists[typ] = entries
-				} else {
-					accepted = false
-					p.log.Warn("IP list shrank; keeping the last good one until the next poll confirms it",
-						"service", id, "type", typ, "entries", len(entries), "last_good", p.lastGood[key])
-				}
-			}
-			if stickyOK && kind == "ppr" {
-				if p.confirm(fmt.Sprintf("%d/sticky", id), len(sticky)) {
-					st.Sticky = sticky
-				} else {
-					accepted = false
-				}
-			}
-			// Known once every list was fetched and swapped in: until then
-			// the daemon keeps serving what it had for this service.
-			if ok && stickyOK && accepted {
-				st.ListsKnown = true
-			}
-			if ok && stickyOK {
-				fetched++
-			}
-		}
-		p.mu.Unlock()
 	}
-	if firstErr == nil && fetched > 0 {
-		p.mu.Lock()
+	p.mu.Lock()
+	if firstErr == nil && fetched > 0 && p.gen == gen {
 		p.snap.ListsUpdated = p.now()
-		p.mu.Unlock()
 	}
+	p.mu.Unlock()
 	p.changed()
 	return firstErr
 }
 
+// pollServiceLists fetches the IP lists (and sticky sessions) of one
+// service and swaps in what is accepted; ok reports that every fetch
+// succeeded.
+func (p *Poller) pollServiceLists(ctx context.Context, id int) (ok bool, firstErr error) {
+	client, cfg, gen := p.current()
+	p.mu.Lock()
+	st := p.services[id]
+	kind := ""
+	if st != nil {
+		kind = st.Record.ProductType
+	}
+	p.mu.Unlock()
+	if st == nil {
+		return false, nil
+	}
+	lists := map[string][]Entry{}
+	ok = true
+	for _, typ := range listTypes(kind, cfg.Protocols) {
+		l, err := p.fetchList(ctx, client, id, typ)
+		p.beat(LoopLists)
+		if err != nil {
+			ok = false
+			if firstErr == nil {
+				firstErr = fmt.Errorf("polling %s list of service %d: %w", typ, id, err)
+			}
+			continue
+		}
+		if l.Bad > 0 {
+			p.log.Warn("IP list has lines that could not be read", "service", id, "type", typ, "bad", l.Bad)
+		}
+		lists[typ] = l.Entries
+	}
+	var sticky []StickySession
+	var resolved map[string][]string
+	stickyOK := true
+	if kind == "ppr" {
+		sl, err := client.StickyList(ctx, id)
+		p.beat(LoopLists)
+		if err != nil {
+			stickyOK = false
+			if firstErr == nil {
+				firstErr = fmt.Errorf("polling sticky sessions of service %d: %w", id, err)
+			}
+		} else {
+			sticky = sl.Sessions
+			resolved = p.resolveServers(ctx, cfg, sticky)
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	st = p.services[id]
+	if st == nil || p.gen != gen {
+		return false, nil
+	}
+	accepted := true
+	for typ, entries := range lists {
+		key := fmt.Sprintf("%d/%s", id, typ)
+		if p.confirm(key, len(entries)) {
+			st.Lists[typ] = entries
+		} else {
+			accepted = false
+			p.log.Warn("IP list shrank; keeping the last good one until the next poll confirms it",
+				"service", id, "type", typ, "entries", len(entries), "last_good", p.lastGood[key])
+		}
+	}
+	if stickyOK && kind == "ppr" {
+		if p.confirm(fmt.Sprintf("%d/sticky", id), len(sticky)) {
+			st.Sticky = sticky
+			st.Resolved = resolved
+		} else {
+			accepted = false
+		}
+	}
+	// Known once every list was fetched and swapped in: until then
+	// the daemon keeps serving what it had for this service.
+	if ok && stickyOK && accepted {
+		st.ListsKnown = true
+	}
+	return ok && stickyOK, firstErr
+}
+
+// listFormats is the order in which list formats are tried.
+var listFormats = [...]string{"json", "txt", "csv"}
+
+// fetchList fetches one IP list in the format that last parsed for its type
+// (json at first). When the answer cannot be parsed, the next formats are
+// tried in the same round, and the first that parses is kept for the type
+// from then on (logged once, when it changes).
+func (p *Poller) fetchList(ctx context.Context, client *Client, id int, typ string) (*IPList, error) {
+	p.mu.Lock()
+	current := p.formats[typ]
+	p.mu.Unlock()
+	if current == "" {
+		current = listFormats[0]
+	}
+	start := slices.Index(listFormats[:], current)
+	var firstErr error
+	for i := range listFormats {
+		format := listFormats[(start+i)%len(listFormats)]
+		l, err := client.IPList(ctx, id, typ, format)
+		if err == nil {
+			if format != current {
+				p.mu.Lock()
+				p.formats[typ] = format
+				p.mu.Unlock()
+				p.log.Info("IP list format chosen: the previous one could not be parsed",
+					"type", typ, "format", format, "instead_of", current)
+			}
+			return l, nil
+		}
+		if firstErr == nil {
+			firstErr = err
+		}
+		var de *DecodeError
+		if !errors.As(err, &de) {
+			break // not a parsing problem: another format will not help
+		}
+		p.beat(LoopLists)
+	}
+	return nil, firstErr
+}
+
 // confirm decides whether a fetched list of n entries replaces the last good
 // one: an empty list, or one less than half the last good one, is swapped
-// in only when the next poll brings the same size again. Called with p.mu held.
+// in only when the next poll brings the same size again. After a provider
+// change each key's first list is swapped in at once. Called with p.mu held.
 func (p *Poller) confirm(key string, n int) bool {
 	last, seen := p.lastGood[key]
 	suspicious := n == 0 && (!seen || last > 0) || seen && n*2 < last
+	if p.trusted != nil && !p.trusted[key] {
+		p.trusted[key] = true
+		suspicious = false
+	}
 	if !suspicious {
 		p.lastGood[key] = n
 		delete(p.pending, key)
@@ -561,9 +762,10 @@ func (p *Poller) confirm(key string, n int) bool {
 }
 
 func (p *Poller) pollStatus(ctx context.Context) error {
+	client, _, gen := p.current()
 	var firstErr error
 	for _, id := range p.served() {
-		errored, err := p.client.NetworkErrors(ctx, id)
+		errored, err := client.NetworkErrors(ctx, id)
 		p.beat(LoopStatus)
 		if err != nil {
 			if firstErr == nil {
@@ -571,7 +773,7 @@ func (p *Poller) pollStatus(ctx context.Context) error {
 			}
 			continue
 		}
-		inactive, err := p.client.NetworkInactive(ctx, id)
+		inactive, err := client.NetworkInactive(ctx, id)
 		p.beat(LoopStatus)
 		if err != nil {
 			if firstErr == nil {
@@ -580,16 +782,20 @@ func (p *Poller) pollStatus(ctx context.Context) error {
 			continue
 		}
 		p.mu.Lock()
-		if st := p.services[id]; st != nil {
+		if st := p.services[id]; st != nil && p.gen == gen {
 			st.Errored, st.Inactive, st.StatusKnown = errored, inactive, true
 		}
 		p.mu.Unlock()
 	}
 	p.changed()
+	p.manageLists(ctx)
 	return firstErr
 }
 
+// pollUsage reads the rate and limit of each ppr service. The daily
+// statistics endpoint is not polled: nothing uses its answer.
 func (p *Poller) pollUsage(ctx context.Context) error {
+	client, _, gen := p.current()
 	var firstErr error
 	for _, id := range p.served() {
 		p.mu.Lock()
@@ -599,11 +805,7 @@ func (p *Poller) pollUsage(ctx context.Context) error {
 		if !ppr {
 			continue
 		}
-		if _, err := p.client.Stats(ctx, id); err != nil && firstErr == nil {
-			firstErr = fmt.Errorf("polling stats of service %d: %w", id, err)
-		}
-		p.beat(LoopUsage)
-		rate, err := p.client.Rate(ctx, id)
+		rate, err := client.Rate(ctx, id)
 		p.beat(LoopUsage)
 		if err != nil {
 			if firstErr == nil {
@@ -615,7 +817,7 @@ func (p *Poller) pollUsage(ctx context.Context) error {
 			continue
 		}
 		p.mu.Lock()
-		if st := p.services[id]; st != nil {
+		if st := p.services[id]; st != nil && p.gen == gen {
 			st.Rate, st.Limit, st.HasUsage = rate[0].Rate, rate[0].Limit, true
 		}
 		p.mu.Unlock()
@@ -646,8 +848,18 @@ func (p *Poller) snapshotLocked() Snapshot {
 			c.Lists[k] = slices.Clone(v)
 		}
 		c.Sticky = slices.Clone(st.Sticky)
+		for i := range c.Sticky {
+			c.Sticky[i].Ports = maps.Clone(c.Sticky[i].Ports)
+			c.Sticky[i].Extra = maps.Clone(c.Sticky[i].Extra)
+		}
 		c.Errored = slices.Clone(st.Errored)
 		c.Inactive = slices.Clone(st.Inactive)
+		if st.Resolved != nil {
+			c.Resolved = make(map[string][]string, len(st.Resolved))
+			for k, v := range st.Resolved {
+				c.Resolved[k] = slices.Clone(v)
+			}
+		}
 		s.Services = append(s.Services, c)
 	}
 	slices.SortFunc(s.Services, func(a, b ServiceState) int { return a.ID - b.ID })
@@ -657,9 +869,11 @@ func (p *Poller) snapshotLocked() Snapshot {
 func (p *Poller) changed() { p.onChange(p.Snapshot()) }
 
 // Rotate asks the provider for a new exit IP of a sticky session; it
-// implements the pool's Rotator.
+// implements the pool's Rotator. It finishes against the client current
+// when it started, even if a reload changes it meanwhile.
 func (p *Poller) Rotate(ctx context.Context, service int, server, session string) (string, error) {
-	res, err := p.client.StickyRotate(ctx, service, server, session)
+	client, _, _ := p.current()
+	res, err := client.StickyRotate(ctx, service, server, session)
 	if err != nil {
 		return "", fmt.Errorf("rotating session %s on %s of service %d: %w", session, server, service, err)
 	}
@@ -676,72 +890,4 @@ func (p *Poller) Rotate(ctx context.Context, service int, server, session string
 	}
 	p.mu.Unlock()
 	return res.ExitIP, nil
-}
-
-// UpstreamSpec is one dialable upstream derived from a Snapshot by the table
-// of DESIGN.md §2; the daemon turns it into a pool.Upstream unchanged.
-type UpstreamSpec struct {
-	Service  int
-	Kind     string // fpr | ppr
-	Protocol string // http | socks5
-	Address  string // host:port
-	Username string
-	Password string
-	Server   string
-	Session  string
-	ExitIP   string
-}
-
-var listProtocol = map[string]string{"http-auth": "http", "socks-ip": "socks5", "ppr-http": "http", "ppr-socks": "socks5"}
-
-// Upstreams derives the dialable upstreams of one service (DESIGN.md §2).
-func (s *ServiceState) Upstreams() []UpstreamSpec {
-	kind := s.Record.ProductType
-	var out []UpstreamSpec
-	for _, typ := range slices.Sorted(maps.Keys(s.Lists)) {
-		proto, ok := listProtocol[typ]
-		if !ok {
-			continue
-		}
-		entries := s.Lists[typ]
-		creds := func(e Entry) (string, string) {
-			if typ == "socks-ip" || e.Login == "" {
-				return s.Record.Username, s.Record.Password
-			}
-			return e.Login, e.Password
-		}
-		if kind == "ppr" && len(s.Sticky) > 0 {
-			for _, ss := range s.Sticky {
-				var e Entry
-				found := false
-				for _, cand := range entries {
-					if cand.Host == ss.Server {
-						e, found = cand, true
-						break
-					}
-				}
-				port := ss.Port
-				if port == 0 {
-					if !found {
-						continue
-					}
-					port = e.Port
-				}
-				if !found && len(entries) > 0 {
-					e = entries[0] // credentials of the list when the gateway is not on it
-				}
-				u, pw := creds(e)
-				out = append(out, UpstreamSpec{Service: s.ID, Kind: kind, Protocol: proto,
-					Address: net.JoinHostPort(ss.Server, strconv.Itoa(port)), Username: u, Password: pw,
-					Server: ss.Server, Session: ss.Session, ExitIP: ss.ExitIP})
-			}
-			continue
-		}
-		for _, e := range entries {
-			u, pw := creds(e)
-			out = append(out, UpstreamSpec{Service: s.ID, Kind: kind, Protocol: proto,
-				Address: net.JoinHostPort(e.Host, strconv.Itoa(e.Port)), Username: u, Password: pw})
-		}
-	}
-	return out
 }

@@ -19,17 +19,34 @@ func newPollerForTest(t *testing.T, cfg PollConfig) (*Poller, *providersim.Sim, 
 	sim := providersim.New(providersim.Config{})
 	srv := httptest.NewServer(sim)
 	t.Cleanup(srv.Close)
-	c, err := New(Config{BaseURL: srv.URL, Token: "sim-token", Timeout: 5 * time.Second})
+	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
 	var mu sync.Mutex
 	var snaps []Snapshot
+	if cfg.LookupHost == nil {
+		cfg.LookupHost = sim.LookupHost // the sim's gateway names resolve to its list IPs
+	}
 	p, err := NewPoller(c, cfg, func(s Snapshot) { mu.Lock(); snaps = append(snaps, s); mu.Unlock() }, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return p, sim, &snaps
+}
+
+// clientConfig is DefaultConfig with a base URL, token and timeout.
+func clientConfig(url, token string, timeout time.Duration) Config {
+	c := DefaultConfig()
+	c.BaseURL, c.Token, c.Timeout = url, token, timeout
+	return c
+}
+
+// pollConfig is DefaultPollConfig changed by set.
+func pollConfig(set func(c *PollConfig)) PollConfig {
+	c := DefaultPollConfig()
+	set(&c)
+	return c
 }
 
 func pollAll(t *testing.T, p *Poller) {
@@ -64,7 +81,7 @@ func serviceByID(s Snapshot, id int) *ServiceState {
 }
 
 func TestPollerServesActiveServices(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, PollConfig{})
+	p, sim, _ := newPollerForTest(t, DefaultPollConfig())
 	sim.MarkErrored(101, "203.0.113.9")
 	sim.SetUsage(102, 900, 1000)
 	pollAll(t, p)
@@ -137,7 +154,7 @@ func TestPollerServesActiveServices(t *testing.T) {
 }
 
 func TestPollerConfiguredServicesAndProtocols(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101, 103}, Protocols: []string{"http"}})
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101, 103}; c.Protocols = []string{"http"} }))
 	pollAll(t, p)
 	s := p.Snapshot()
 	if len(s.Services) != 1 || s.Services[0].ID != 101 {
@@ -164,7 +181,7 @@ func TestPollerConfiguredServicesAndProtocols(t *testing.T) {
 }
 
 func TestPollerConfirmsShrinkingLists(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}})
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Protocols = []string{"http"} }))
 	pollAll(t, p)
 	full := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"])
 	if full < 3 {
@@ -195,7 +212,7 @@ func TestPollerConfirmsShrinkingLists(t *testing.T) {
 }
 
 func TestPollerKeepsLastGoodDataOnFailure(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101}})
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101} }))
 	pollAll(t, p)
 	before := p.Snapshot()
 	sim.FailNext(1000, 500, "<html>oops</html>")
@@ -212,7 +229,7 @@ func TestPollerKeepsLastGoodDataOnFailure(t *testing.T) {
 }
 
 func TestPollerWaits(t *testing.T) {
-	p, _, _ := newPollerForTest(t, PollConfig{Jitter: 0.1, MaxBackoff: time.Minute})
+	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Jitter = 0.1; c.MaxBackoff = time.Minute }))
 	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
 	p.now = func() time.Time { return now }
 	for range 100 {
@@ -241,7 +258,15 @@ func TestPollerWaits(t *testing.T) {
 }
 
 func TestPollerRunBacksOffAndBeats(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101}, NetworkStatus: time.Second, IPList: time.Second, Usage: time.Second, Account: time.Second, MaxBackoff: 4 * time.Second, Jitter: 0.01})
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101}
+		c.NetworkStatus = time.Second
+		c.IPList = time.Second
+		c.Usage = time.Second
+		c.Account = time.Second
+		c.MaxBackoff = 4 * time.Second
+		c.Jitter = 0.01
+	}))
 	sim.FailNext(1<<30, 500, "down")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -262,7 +287,7 @@ func TestPollerRunBacksOffAndBeats(t *testing.T) {
 }
 
 func TestPollerRotate(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{102}})
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{102} }))
 	pollAll(t, p)
 	sess := sim.Sessions(102)[0]
 	ip, err := p.Rotate(context.Background(), 102, sess.Server, sess.Session)
@@ -289,7 +314,7 @@ func TestPollerRotate(t *testing.T) {
 // After a restart the daemon seeds the sizes it serves from its state: an
 // empty or much smaller first list then needs confirmation like any other.
 func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}})
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Protocols = []string{"http"} }))
 	p.Seed(map[string]int{"101/http-auth": 3})
 	sim.SetEntries(101, "http-auth", nil)
 	ctx := context.Background()
@@ -310,7 +335,7 @@ func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 	}
 
 	// Without a seed, an empty first list needs confirmation as well.
-	q, sim2, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}})
+	q, sim2, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Protocols = []string{"http"} }))
 	sim2.SetEntries(101, "http-auth", nil)
 	for _, l := range []Loop{LoopAccount, LoopLists} {
 		if err := q.PollOnce(ctx, l); err != nil {
@@ -325,7 +350,7 @@ func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 // An empty service list would take every service away: it needs the next
 // poll to confirm it.
 func TestPollerServiceListShrinkNeedsConfirmation(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, PollConfig{})
+	p, sim, _ := newPollerForTest(t, DefaultPollConfig())
 	pollAll(t, p)
 	if n := len(p.Snapshot().Services); n != 3 {
 		t.Fatalf("%d services, want 3", n)
@@ -357,11 +382,11 @@ func TestPollerAliveDuringSlowAccountRound(t *testing.T) {
 		sim.ServeHTTP(w, r)
 	}))
 	defer srv.Close()
-	c, err := New(Config{BaseURL: srv.URL, Token: "sim-token", Timeout: time.Second})
+	c, err := New(clientConfig(srv.URL, "sim-token", time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := NewPoller(c, PollConfig{Services: []int{101, 102, 104}}, nil, nil)
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services = []int{101, 102, 104} }), nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -387,7 +412,14 @@ func TestPollerAliveDuringSlowAccountRound(t *testing.T) {
 }
 
 func TestPollerSetProtocolsFetchesNewLists(t *testing.T) {
-	p, _, _ := newPollerForTest(t, PollConfig{Services: []int{101}, Protocols: []string{"http"}, IPList: time.Hour, Account: time.Hour, NetworkStatus: time.Hour, Usage: time.Hour})
+	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101}
+		c.Protocols = []string{"http"}
+		c.IPList = time.Hour
+		c.Account = time.Hour
+		c.NetworkStatus = time.Hour
+		c.Usage = time.Hour
+	}))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); p.Run(ctx) }()
@@ -404,7 +436,7 @@ func TestPollerSetProtocolsFetchesNewLists(t *testing.T) {
 }
 
 func TestPollOnceUnknownLoop(t *testing.T) {
-	p, _, _ := newPollerForTest(t, PollConfig{})
+	p, _, _ := newPollerForTest(t, DefaultPollConfig())
 	for _, l := range []Loop{-1, numLoops} {
 		if err := p.PollOnce(context.Background(), l); err == nil {
 			t.Errorf("PollOnce(%d) succeeded", l)

@@ -35,7 +35,8 @@ func newSim(t *testing.T, cfg providersim.Config) (*providersim.Sim, string) {
 
 func simClient(t *testing.T, url string, mod func(*Config)) *Client {
 	t.Helper()
-	cfg := Config{BaseURL: url, Token: providersim.DefaultToken, Timeout: 5 * time.Second}
+	cfg := DefaultConfig()
+	cfg.BaseURL, cfg.Token, cfg.Timeout = url, providersim.DefaultToken, 5*time.Second
 	if mod != nil {
 		mod(&cfg)
 	}

@@ -3,12 +3,13 @@ package agent
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
 )
 
-// The sticky endpoints' bodies are undocumented (PROVIDER_API.md §4 gaps).
+// The sticky endpoints' success bodies are not documented by the provider.
 // Sessions are read from common synonyms; whatever is not understood stays
 // visible in StickySession.Extra and the Raw bodies.
 
@@ -19,7 +20,40 @@ var (
 	sessionKeys = [...]string{"session", "sessionid", "id", "sid", "sessionname", "sessionkey"}
 	exitIPKeys  = [...]string{"exitip", "ip", "currentip", "exit", "externalip", "publicip", "outip", "newip", "exitaddress"}
 	ttlKeys     = [...]string{"ttl", "ttlminutes", "lifetime"}
+	// Per-protocol ports: a record may name the port of each protocol
+	// ("http_port", "socks_port") or a "ports" object keyed by protocol.
+	httpPortKeys  = [...]string{"httpport", "porthttp"}
+	socksPortKeys = [...]string{"socksport", "socks5port", "portsocks", "portsocks5"}
+	portsKeys     = [...]string{"ports"}
 )
+
+// protocolNames maps the normalised keys of a "ports" object to protocols.
+var protocolNames = map[string]string{"http": "http", "https": "http", "socks": "socks5", "socks5": "socks5"}
+
+// parsePorts reads a "ports" object keyed by protocol; keys that name no
+// protocol are ignored, and an object naming none is not a ports object.
+func parsePorts(b []byte) (map[string]int, error) {
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(b, &obj); err != nil {
+		return nil, err
+	}
+	ports := map[string]int{}
+	for _, k := range sortedKeys(obj) {
+		proto, ok := protocolNames[normKey(k)]
+		if !ok {
+			continue
+		}
+		if n, err := parseInt(obj[k]); err == nil && n > 0 && n <= 65535 {
+			if _, dup := ports[proto]; !dup {
+				ports[proto] = n
+			}
+		}
+	}
+	if len(ports) == 0 {
+		return nil, errors.New("no protocol port in object")
+	}
+	return ports, nil
+}
 
 // ParseStickyList decodes a sticky session list: an array of records, an
 // object wrapping one (under "sessions", "data", "list", ...), an object of
@@ -95,6 +129,20 @@ func sessionFromObject(obj map[string]json.RawMessage) (StickySession, bool) {
 	field(r, &s.ExitIP, exitIPKeys[:], parseText)
 	field(r, &s.Port, []string{"port"}, parseInt)
 	field(r, &s.TTL, ttlKeys[:], parseInt)
+	var ports map[string]int
+	field(r, &ports, portsKeys[:], parsePorts)
+	var httpPort, socksPort int
+	field(r, &httpPort, httpPortKeys[:], parseInt)
+	field(r, &socksPort, socksPortKeys[:], parseInt)
+	for proto, n := range map[string]int{"http": httpPort, "socks5": socksPort} {
+		if n > 0 && n <= 65535 {
+			if ports == nil {
+				ports = map[string]int{}
+			}
+			ports[proto] = n
+		}
+	}
+	s.Ports = ports
 	for _, k := range r.keys {
 		if !r.used[k] {
 			if s.Extra == nil {

@@ -314,10 +314,13 @@ type IPList struct {
 type StickySession struct {
 	Server  string // gateway host name: the {server} of rotate
 	Session string // session id: the {session} of rotate
-	Port    int
-	ExitIP  string
-	TTL     int
-	Extra   map[string]json.RawMessage
+	Port    int    // the record's one port, whose protocol is not known
+	// Ports are ports the record names per protocol ("http", "socks5"),
+	// from http_port, socks_port or a ports object; nil if none.
+	Ports  map[string]int
+	ExitIP string
+	TTL    int
+	Extra  map[string]json.RawMessage
 }
 
 // StickyList is the sticky session list of a ppr service (endpoint 17).

@@ -1,0 +1,194 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+)
+
+// ManageConfig is the [manage] section of the configuration file: actions
+// proxyd takes on the account by itself, all off by default. Start from
+// DefaultManageConfig.
+type ManageConfig struct {
+	// UpdateListShare is the share (0–1) of an fpr service's distinct IPs
+	// that, while on the provider's errored or inactive lists for
+	// UpdateListAfter, makes proxyd request a new IP list for the service
+	// (which replaces the account's IPs). 0 switches it off.
+	UpdateListShare float64 `toml:"update_list_share"`
+	// UpdateListAfter is how long the share must hold, counted from when it
+	// was reached and again from each request; at most one request per
+	// this time. Must be more than 0s when UpdateListShare is set.
+	UpdateListAfter time.Duration `toml:"update_list_after"`
+}
+
+// DefaultManageConfig returns the [manage] section with every key at its
+// default: list updates off.
+func DefaultManageConfig() ManageConfig {
+	return ManageConfig{UpdateListShare: 0, UpdateListAfter: 10 * time.Minute}
+}
+
+// Validate reports every problem of the section, joined with errors.Join;
+// each message starts with the key as written in the file.
+func (c ManageConfig) Validate() error {
+	var errs []error
+	if !(c.UpdateListShare >= 0 && c.UpdateListShare <= 1) {
+		errs = append(errs, fmt.Errorf("update_list_share: must be within 0–1, got %g", c.UpdateListShare))
+	}
+	switch {
+	case c.UpdateListAfter < 0:
+		errs = append(errs, fmt.Errorf("update_list_after: must not be negative, got %s", c.UpdateListAfter))
+	case c.UpdateListAfter == 0 && c.UpdateListShare > 0:
+		errs = append(errs, errors.New("update_list_after: must be more than 0s while update_list_share is set"))
+	}
+	return errors.Join(errs...)
+}
+
+// Event is something the agent did on the account by itself, for the
+// daemon's event log and metrics.
+type Event struct {
+	Kind    string // one of the Event* kinds
+	Service int
+	// Result is the outcome of a list update, the label of the metric
+	// proxyd_list_updates_total: ResultOK, ResultError or ResultRateLimited;
+	// "" for EventListUpdateRequested.
+	Result string
+	Reason string // human-readable detail; never a credential
+}
+
+// Kinds of Event.
+const (
+	EventListUpdateRequested = "list_update_requested"
+	EventListUpdated         = "list_updated"
+	EventListUpdateFailed    = "list_update_failed"
+)
+
+// Results of a list update.
+const (
+	ResultOK          = "ok"
+	ResultError       = "error"
+	ResultRateLimited = "rate_limited"
+)
+
+// Bounds of the wait a 429 names before the next list update.
+const (
+	minRateLimitWait = time.Second
+	maxRateLimitWait = time.Hour
+)
+
+// manageState is the list-update clock of one fpr service.
+type manageState struct {
+	heldSince   time.Time // when the share was reached, or the last request; zero while below
+	lastRequest time.Time
+	nextAllowed time.Time // from a 429
+}
+
+// badShare is the share of the service's distinct list IPs that are on its
+// errored or inactive lists.
+func badShare(st *ServiceState) float64 {
+	ips := map[netip.Addr]bool{}
+	for _, entries := range st.Lists {
+		for _, e := range entries {
+			if a, err := netip.ParseAddr(unbracket(e.Host)); err == nil {
+				ips[a.Unmap()] = true
+			}
+		}
+	}
+	if len(ips) == 0 {
+		return 0
+	}
+	bad := map[netip.Addr]bool{}
+	for _, list := range [][]string{st.Errored, st.Inactive} {
+		for _, s := range list {
+			if a, err := netip.ParseAddr(unbracket(s)); err == nil && ips[a.Unmap()] {
+				bad[a.Unmap()] = true
+			}
+		}
+	}
+	return float64(len(bad)) / float64(len(ips))
+}
+
+// manageLists requests a new IP list for each fpr service whose share of
+// errored or inactive IPs has held for update_list_after, and polls the
+// new list at once. Called after each status round.
+func (p *Poller) manageLists(ctx context.Context) {
+	client, cfg, gen := p.current()
+	share, after := cfg.Manage.UpdateListShare, cfg.Manage.UpdateListAfter
+	if share <= 0 {
+		return
+	}
+	now := p.now()
+	var due []int
+	p.mu.Lock()
+	for id, st := range p.services {
+		if st.Record.ProductType != "fpr" || !st.StatusKnown {
+			continue
+		}
+		m := p.manage[id]
+		if m == nil {
+			m = &manageState{}
+			p.manage[id] = m
+		}
+		if !st.ListsKnown || badShare(st) < share {
+			m.heldSince = time.Time{}
+			continue
+		}
+		if m.heldSince.IsZero() {
+			m.heldSince = now
+		}
+		if now.Sub(m.heldSince) >= after && now.Sub(m.lastRequest) >= after && !now.Before(m.nextAllowed) {
+			due = append(due, id)
+			m.lastRequest, m.heldSince = now, now
+		}
+	}
+	p.mu.Unlock()
+	for _, id := range due {
+		p.requestList(ctx, client, gen, id)
+	}
+}
+
+// requestList sends one list update for service id and reports it.
+func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id int) {
+	p.event(Event{Kind: EventListUpdateRequested, Service: id, Reason: "errored or inactive IPs held the configured share"})
+	_, err := client.UpdateService(ctx, id, ServiceUpdate{UpdateList: true})
+	p.beat(LoopStatus)
+	var apiErr *APIError
+	switch {
+	case err == nil:
+		p.log.Info("new IP list requested", "service", id)
+		if _, lerr := p.pollServiceLists(ctx, id); lerr != nil {
+			p.log.Warn("polling the new IP list failed; the lists loop retries", "service", id, "err", lerr)
+			p.Kick(LoopLists)
+		}
+		p.changed()
+		p.event(Event{Kind: EventListUpdated, Service: id, Result: ResultOK, Reason: "the provider replaced the IP list"})
+	case errors.Is(err, ErrTooManyAttempts) || errors.As(err, &apiErr) && apiErr.Status == 429:
+		now := p.now()
+		next := now.Add(minRateLimitWait)
+		if errors.As(err, &apiErr) && apiErr.NextAllowed.After(next) {
+			next = apiErr.NextAllowed
+		}
+		if limit := now.Add(maxRateLimitWait); next.After(limit) {
+			next = limit
+		}
+		p.mu.Lock()
+		if m := p.manage[id]; m != nil && p.gen == gen {
+			m.nextAllowed = next
+		}
+		p.mu.Unlock()
+		p.log.Warn("new IP list refused until the provider's next allowed time", "service", id, "next", next.UTC())
+		p.event(Event{Kind: EventListUpdateFailed, Service: id, Result: ResultRateLimited,
+			Reason: "rate limited until " + next.UTC().Format(time.DateTime) + " UTC"})
+	default:
+		p.log.Warn("requesting a new IP list failed", "service", id, "err", err)
+		p.event(Event{Kind: EventListUpdateFailed, Service: id, Result: ResultError, Reason: err.Error()})
+	}
+}
+
+func (p *Poller) event(e Event) {
+	_, cfg, _ := p.current()
+	if cfg.OnEvent != nil {
+		cfg.OnEvent(e)
+	}
+}

@@ -1,0 +1,213 @@
+package agent
+
+import (
+	"context"
+	"maps"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// UpstreamSpec is one dialable upstream derived from a ServiceState; the
+// daemon turns it into a pool upstream unchanged.
+type UpstreamSpec struct {
+	Service  int
+	Kind     string // fpr | ppr
+	Protocol string // http | socks5
+	Address  string // host:port
+	Username string
+	Password string
+	Server   string
+	Session  string
+	ExitIP   string
+	// Match says how a session upstream's port was found for its protocol:
+	// MatchRecord, MatchList or MatchSingle; "" for upstreams that stand for
+	// no session.
+	Match string
+}
+
+// How a sticky session's port for a protocol was found.
+const (
+	MatchRecord = "record" // the record names this protocol's port (http_port, socks_port, ports)
+	MatchList   = "list"   // the record's one port is in this protocol's list
+	MatchSingle = "single" // the list's only entry for the record's server
+)
+
+// listProtocol maps each IP list type to the protocol its entries speak.
+var listProtocol = map[string]string{"http-auth": "http", "socks-ip": "socks5", "ppr-http": "http", "ppr-socks": "socks5"}
+
+// Upstreams derives the dialable upstreams of one service. Which list
+// feeds which protocol: fpr http from http-auth (credentials from each line,
+// else the service record's), fpr socks5 from socks-ip (the record's
+// credentials), ppr http from ppr-http and ppr socks5 from ppr-socks (the
+// line's credentials, else the record's).
+//
+// A ppr service's sticky sessions become upstreams per protocol by
+// matchSession. For each protocol, the sessions that got an upstream serve
+// it; when none did, the protocol's list entries serve as plain rotating
+// upstreams (the sessions are still rotated when their exit IP is errored).
+// A port is never dialed with a protocol whose list does not vouch for it,
+// unless the record itself names it for that protocol.
+func (s *ServiceState) Upstreams() []UpstreamSpec {
+	kind := s.Record.ProductType
+	var out []UpstreamSpec
+	for _, typ := range slices.Sorted(maps.Keys(s.Lists)) {
+		proto, ok := listProtocol[typ]
+		if !ok {
+			continue
+		}
+		entries := s.Lists[typ]
+		creds := func(e Entry) (string, string) {
+			if typ == "socks-ip" || e.Login == "" {
+				return s.Record.Username, s.Record.Password
+			}
+			return e.Login, e.Password
+		}
+		var sessions []UpstreamSpec
+		if kind == "ppr" {
+			for _, ss := range s.Sticky {
+				addr, e, match := matchSession(ss, proto, entries, s.Resolved[ss.Server])
+				if match == "" {
+					continue
+				}
+				u, pw := creds(e)
+				sessions = append(sessions, UpstreamSpec{Service: s.ID, Kind: kind, Protocol: proto,
+					Address: addr, Username: u, Password: pw,
+					Server: ss.Server, Session: ss.Session, ExitIP: ss.ExitIP, Match: match})
+			}
+		}
+		if len(sessions) > 0 {
+			out = append(out, sessions...)
+			continue
+		}
+		for _, e := range entries {
+			u, pw := creds(e)
+			out = append(out, UpstreamSpec{Service: s.ID, Kind: kind, Protocol: proto,
+				Address: net.JoinHostPort(e.Host, strconv.Itoa(e.Port)), Username: u, Password: pw})
+		}
+	}
+	return out
+}
+
+// matchSession finds the address of session ss for protocol proto, given
+// that protocol's list entries and the addresses ss.Server resolved to:
+//
+//  1. a port the record names for proto (MatchRecord), dialed at the server;
+//  2. else the record's one port, when the list holds server:port: the host
+//     compared as written (case-insensitively), and when no entry matches so,
+//     by the addresses the server resolved to (MatchList), dialed at the
+//     list entry;
+//  3. else, for a port not in the list or a record without one, the list's
+//     entry for the server when it holds exactly one (MatchSingle);
+//  4. else none: match is "".
+//
+// e is the list entry whose credentials apply: the matched one, or for a
+// record port the list's entry at that address if any, else the list's
+// first entry with credentials (the gateway's login), else a zero Entry
+// (the service record's credentials).
+func matchSession(ss StickySession, proto string, entries []Entry, resolved []string) (addr string, e Entry, match string) {
+	if ss.Server == "" {
+		return "", Entry{}, ""
+	}
+	byName := func(c Entry) bool { return strings.EqualFold(unbracket(c.Host), ss.Server) }
+	byAddr := func(c Entry) bool { return containsAddr(resolved, c.Host) }
+	// find returns the entries for the server (by name, else by address),
+	// restricted to port when port > 0.
+	find := func(port int) []Entry {
+		for _, same := range []func(Entry) bool{byName, byAddr} {
+			var got []Entry
+			for _, c := range entries {
+				if same(c) && (port == 0 || c.Port == port) {
+					got = append(got, c)
+				}
+			}
+			if len(got) > 0 {
+				return got
+			}
+		}
+		return nil
+	}
+	if port := ss.Ports[proto]; port > 0 {
+		if got := find(port); len(got) > 0 {
+			e = got[0]
+		} else {
+			for _, c := range entries {
+				if c.Login != "" {
+					e = c
+					break
+				}
+			}
+		}
+		return net.JoinHostPort(ss.Server, strconv.Itoa(port)), e, MatchRecord
+	}
+	if ss.Port > 0 {
+		if got := find(ss.Port); len(got) > 0 {
+			e = got[0]
+			return net.JoinHostPort(e.Host, strconv.Itoa(e.Port)), e, MatchList
+		}
+	}
+	if got := find(0); len(got) == 1 {
+		e = got[0]
+		return net.JoinHostPort(e.Host, strconv.Itoa(e.Port)), e, MatchSingle
+	}
+	return "", Entry{}, ""
+}
+
+// containsAddr reports whether host is an IP address among addrs,
+// comparing addresses rather than spellings.
+func containsAddr(addrs []string, host string) bool {
+	a, err := netip.ParseAddr(unbracket(host))
+	if err != nil {
+		return false
+	}
+	a = a.Unmap()
+	for _, s := range addrs {
+		if b, err := netip.ParseAddr(s); err == nil && b.Unmap() == a {
+			return true
+		}
+	}
+	return false
+}
+
+// resolveTimeout bounds the lookup of all sticky servers of one service.
+const resolveTimeout = 5 * time.Second
+
+// resolveServers looks up the addresses of the sticky sessions' servers
+// that are host names, once per lists round: a session's port is then
+// found in lists that name the gateway by IP. A failed lookup leaves the
+// server out (its sessions match by name or as the list's single entry).
+func (p *Poller) resolveServers(ctx context.Context, cfg PollConfig, sessions []StickySession) map[string][]string {
+	lookup := cfg.LookupHost
+	if lookup == nil {
+		lookup = net.DefaultResolver.LookupHost
+	}
+	ctx, cancel := context.WithTimeout(ctx, resolveTimeout)
+	defer cancel()
+	var out map[string][]string
+	for _, ss := range sessions {
+		if ss.Server == "" {
+			continue
+		}
+		if _, done := out[ss.Server]; done {
+			continue
+		}
+		if _, err := netip.ParseAddr(unbracket(ss.Server)); err == nil {
+			continue
+		}
+		if out == nil {
+			out = map[string][]string{}
+		}
+		addrs, err := lookup(ctx, ss.Server)
+		p.beat(LoopLists)
+		if err != nil {
+			p.log.Debug("resolving sticky session server", "server", ss.Server, "err", err)
+			out[ss.Server] = nil
+			continue
+		}
+		out[ss.Server] = addrs
+	}
+	return out
+}
