@@ -95,7 +95,7 @@ func TestConcurrentPickReportUpdateRotate(t *testing.T) {
 					// Errored exit IPs: rotations.
 					p.SetProviderStatus(2, []string{good[i%10].ExitIP, "203.0.113.7"}, []string{"198.51.100.9"})
 				case 4:
-					p.SetQuota(2, i%4 == 0)
+					p.SetUsage(2, float64(i%8*20), 100) // over quota every fourth time
 				case 5:
 					clk.Advance(10 * time.Second)
 					_ = p.Explain()

@@ -231,6 +231,11 @@ type Options struct {
 	Prober  Prober           // required when Config.ProbeInterval is set
 	Hooks   Hooks
 	Logger  *slog.Logger // default: discard
+	// Events is the event log the pool records to: upstreams added and
+	// removed, ejected and readmitted, provider marks and their clearing,
+	// rotations, quota and panic mode. Default: a log of the pool's own,
+	// logging each event to Logger.
+	Events *EventLog
 }
 
 // Errors returned by the pool.

@@ -29,7 +29,7 @@ func (p *Pool) state(h *host, now int64) (State, string) {
 		return Probing, "ejection over, waiting for a trial connection"
 	}
 	if fl&fQuota != 0 {
-		return Quota, "service usage limit reached"
+		return Quota, "service usage reached quota_headroom of its limit"
 	}
 	if fl&fExitErrored != 0 {
 		return Healthy, "exit ip on the provider's errored list, not rotated yet"
@@ -63,7 +63,7 @@ func (p *Pool) Explain() Explanation {
 		st, reason := p.state(h, ns)
 		ue := UpstreamExplanation{
 			ID: h.id, Service: u.Service, Kind: u.Kind, Protocol: u.Protocol, Address: u.Address,
-			Server: u.Server, Session: u.Session, ExitIP: u.ExitIP, State: st, Reason: reason,
+			Server: u.Server, Session: u.Session, ExitIP: u.ExitIP, Match: u.Match, State: st, Reason: reason,
 			Failures: h.failures.Load(), ConsecutiveFailures: h.consec.Load(),
 			Ejections: h.ejections.Load(), InFlight: h.inFlight.Load(),
 		}
@@ -90,7 +90,7 @@ func (p *Pool) listenersOf(s *snapshot, ns int64) []ListenerExplanation {
 			continue
 		}
 		le := ListenerExplanation{Name: sl.Name, Total: len(sl.members)}
-		quota, held := 0, false
+		quota := 0
 		for _, h := range sl.members {
 			st, _ := p.state(h, ns)
 			switch st {
@@ -99,14 +99,11 @@ func (p *Pool) listenersOf(s *snapshot, ns int64) []ListenerExplanation {
 			case Quota:
 				quota++
 			}
-			held = held || h.held.Load()
 		}
 		if le.Usable == 0 {
 			le.Usable = quota // quota upstreams serve when nothing else can
 		}
-		// Panic: a failing upstream is kept in because this slice has no
-		// room under its ejection cap.
-		le.Panic = held && sl.ejected.Load() >= p.ejectCap(sl)
+		le.Panic = sl.panic.Load()
 		out = append(out, le)
 	}
 	return out

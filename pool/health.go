@@ -134,7 +134,7 @@ func (p *Pool) succeeded(h *host) {
 		h.consec.Store(0)
 	}
 	if h.held.Load() {
-		h.held.Store(false)
+		p.unhold(h)
 	}
 	until := h.ejectedUntil.Load()
 	if until == 0 && h.streak.Load() == 0 {
@@ -149,7 +149,7 @@ func (p *Pool) succeeded(h *host) {
 	}
 	// A long healthy stretch since the last re-admission forgets the ejection
 	// history, so that a flap next week starts at the base duration again.
-	if now-h.readmitted.Load() >= int64(p.cfg.EjectMax) {
+	if now-h.readmitted.Load() >= int64(p.cfg.Load().EjectMax) {
 		h.streak.Store(0)
 	}
 }
@@ -171,28 +171,29 @@ func (p *Pool) failed(h *host, r Result) {
 		}
 		return // a late report of a connection picked before the ejection
 	}
-	if c >= int64(p.cfg.FailureThreshold) {
+	if c >= int64(p.cfg.Load().FailureThreshold) {
 		p.eject(h)
 	}
 }
 
 // eject takes h out of rotation unless that would put a listener slice
-// containing it past the ejection cap; then h stays in (panic mode).
+// containing it past the ejection cap; then h stays in, held, and the slice
+// is in panic mode.
 func (p *Pool) eject(h *host) {
 	p.ejectMu.Lock()
 	if h.ejectedUntil.Load() != 0 {
 		p.ejectMu.Unlock()
 		return
 	}
+	cfg := p.cfg.Load()
 	s := p.snap.Load()
 	u := h.cur.Load()
-	if h.flags.Load()&fDraining == 0 {
+	counted := h.flags.Load()&fDraining == 0 // a draining upstream is in no slice's counts
+	if counted {
 		for _, sl := range s.slices {
-			if !sl.matches(u) {
-				continue
-			}
-			if sl.ejected.Load()+1 > p.ejectCap(sl) {
-				h.held.Store(true)
+			if sl.matches(u) && sl.ejected.Load()+1 > ejectCap(cfg, sl) {
+				p.setHeld(s, h, u, true)
+				p.checkPanics(cfg, s, u)
 				p.ejectMu.Unlock()
 				return
 			}
@@ -206,16 +207,81 @@ func (p *Pool) eject(h *host) {
 	now := p.now().UnixNano()
 	k := h.streak.Add(1)
 	h.trial.Store(false)
-	h.held.Store(false)
-	h.ejectedUntil.Store(now + int64(p.ejectDuration(int(k))))
+	h.ejectedUntil.Store(now + int64(p.ejectDuration(cfg, int(k))))
 	h.ejections.Add(1)
+	if counted {
+		p.setHeld(s, h, u, false)
+		p.checkPanics(cfg, s, u)
+	} else {
+		h.held.Store(false)
+	}
 	p.ejectMu.Unlock()
 	p.ejected(h, u)
 }
 
 // ejectCap is how many members of sl may be ejected at once.
-func (p *Pool) ejectCap(sl *slice) int64 {
-	return int64(p.cfg.MaxEjectedPercent) * sl.eligible.Load() / 100
+func ejectCap(cfg *Config, sl *slice) int64 {
+	return int64(cfg.MaxEjectedPercent) * sl.eligible.Load() / 100
+}
+
+// setHeld sets whether h is a failing upstream kept in by the ejection cap,
+// and counts it in the slices of s that hold it; the caller holds
+// p.ejectMu, and h is not draining.
+func (p *Pool) setHeld(s *snapshot, h *host, u *Upstream, held bool) {
+	if h.held.Swap(held) == held {
+		return
+	}
+	d := int64(1)
+	if !held {
+		d = -1
+	}
+	for _, sl := range s.slices {
+		if sl.matches(u) {
+			sl.held.Add(d)
+		}
+	}
+}
+
+// unhold clears h's held mark: it worked again, or has a new exit IP.
+func (p *Pool) unhold(h *host) {
+	p.ejectMu.Lock()
+	defer p.ejectMu.Unlock()
+	if !h.held.Load() {
+		return
+	}
+	if h.flags.Load()&fDraining != 0 {
+		h.held.Store(false)
+		return
+	}
+	cfg, s, u := p.cfg.Load(), p.snap.Load(), h.cur.Load()
+	p.setHeld(s, h, u, false)
+	p.checkPanics(cfg, s, u)
+}
+
+// checkPanics updates the panic mode of the listener slices of s that hold
+// u; the caller holds p.ejectMu.
+func (p *Pool) checkPanics(cfg *Config, s *snapshot, u *Upstream) {
+	for _, sl := range s.slices {
+		if sl.matches(u) {
+			p.checkPanic(cfg, s, sl)
+		}
+	}
+}
+
+// checkPanic sets sl's panic mode, on when a failing member is kept in
+// because the slice has no room under its ejection cap, and records the
+// change; the caller holds p.ejectMu. The whole-set slice used while no
+// listeners are set is no listener's and records nothing.
+func (p *Pool) checkPanic(cfg *Config, s *snapshot, sl *slice) {
+	on := sl.held.Load() > 0 && sl.ejected.Load() >= ejectCap(cfg, sl)
+	if sl.panic.Swap(on) == on || sl == s.all {
+		return
+	}
+	kind := EventPanic
+	if !on {
+		kind = EventPanicOver
+	}
+	p.record(kind, "", 0, sl.Name)
 }
 
 // reeject extends the ejection of a probing upstream whose trial failed; it
@@ -226,21 +292,23 @@ func (p *Pool) reeject(h *host) {
 		p.ejectMu.Unlock()
 		return
 	}
+	cfg := p.cfg.Load()
 	now := p.now().UnixNano()
 	k := h.streak.Add(1)
-	h.ejectedUntil.Store(now + int64(p.ejectDuration(int(k))))
+	h.ejectedUntil.Store(now + int64(p.ejectDuration(cfg, int(k))))
 	h.trial.Store(false)
 	h.ejections.Add(1)
 	p.ejectMu.Unlock()
 	p.ejected(h, h.cur.Load())
 }
 
+// ejected tells the hook and the event log about an ejection of h; the
+// event's reason is the failure class that ejected it.
 func (p *Pool) ejected(h *host, u *Upstream) {
 	if f := p.opts.Hooks.Ejected; f != nil {
 		f(u.Service)
 	}
-	p.log.Info("upstream ejected", "id", h.id, "reason", Result(h.reason.Load()).String(),
-		"until", time.Unix(0, h.ejectedUntil.Load()).UTC())
+	p.record(EventEjected, h.id, u.Service, Result(h.reason.Load()).String())
 	p.notifyChanged()
 }
 
@@ -255,29 +323,31 @@ func (p *Pool) readmit(h *host, now int64) {
 	h.trial.Store(false)
 	h.consec.Store(0)
 	h.readmitted.Store(now)
+	u := h.cur.Load()
 	if h.flags.Load()&fDraining == 0 {
-		u := h.cur.Load()
-		for _, sl := range p.snap.Load().slices {
+		s := p.snap.Load()
+		for _, sl := range s.slices {
 			if sl.matches(u) {
 				sl.ejected.Add(-1)
 			}
 		}
+		p.checkPanics(p.cfg.Load(), s, u)
 	}
 	p.ejectMu.Unlock()
-	p.log.Debug("upstream re-admitted", "id", h.id)
+	p.record(EventReadmitted, h.id, u.Service, "")
 	p.notifyChanged()
 }
 
 // ejectDuration is EjectBase × 2^(k-1), capped at EjectMax, ±20 % jitter,
 // never past EjectMax.
-func (p *Pool) ejectDuration(k int) time.Duration {
-	d := p.cfg.EjectBase
-	for i := 1; i < k && d < p.cfg.EjectMax; i++ {
+func (p *Pool) ejectDuration(cfg *Config, k int) time.Duration {
+	d := cfg.EjectBase
+	for i := 1; i < k && d < cfg.EjectMax; i++ {
 		d *= 2
 	}
-	d = min(d, p.cfg.EjectMax)
+	d = min(d, cfg.EjectMax)
 	// jitter factor in [0.8, 1.2]
 	j := float64(p.rand()>>11) / (1 << 53)
 	d = time.Duration(float64(d) * (0.8 + 0.4*j))
-	return min(d, p.cfg.EjectMax)
+	return min(d, cfg.EjectMax)
 }

@@ -122,7 +122,7 @@ func TestEjectionJitterBounds(t *testing.T) {
 			lo, hi := time.Duration(float64(nominal)*0.8), min(time.Duration(float64(nominal)*1.2), 100*time.Second)
 			var seenLo, seenHi time.Duration = math.MaxInt64, 0
 			for range 2000 {
-				d := p.ejectDuration(k)
+				d := p.ejectDuration(p.cfg.Load(), k)
 				if d < lo || d > hi {
 					t.Fatalf("%s: ejection %d: %s outside [%s, %s]", tt.name, k, d, lo, hi)
 				}

@@ -2,6 +2,7 @@ package pool
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -16,28 +17,31 @@ import (
 // use and lock-free except for the sticky table's sharded lock; the other
 // methods are writers and serialize among themselves.
 type Pool struct {
-	cfg  Config
-	opts Options
-	log  *slog.Logger
-	now  func() time.Time
-	rand func() uint64
-	tick atomic.Int64 // unix ns, refreshed by Run: the hot path's clock when Options.Now is nil
+	cfg    atomic.Pointer[Config] // replaced whole by SetConfig; read once per operation
+	opts   Options
+	log    *slog.Logger
+	events *EventLog
+	now    func() time.Time
+	rand   func() uint64
+	tick   atomic.Int64 // unix ns, refreshed by Run: the hot path's clock when Options.Now is nil
 
 	snap    atomic.Pointer[snapshot]
 	anyQuot atomic.Bool // some service is in quota: picks make a second pass
 	sticky  *stickyTable
 
-	mu        sync.Mutex              // writers: Update, SetListeners, SetProviderStatus, SetQuota, rotation results
+	mu        sync.Mutex              // writers: Update, SetListeners, SetProviderStatus, SetUsage, SetConfig, rotation results
 	listeners []ListenerSlice         // as last set
 	errored   map[int]map[string]bool // per service: errored IPs
 	inactive  map[int]map[string]bool // per service: inactive IPs
-	quota     map[int]bool            // per service: usage limit reached
+	usage     map[int]ServiceUsage    // per ppr service with a limit: the provider's last figures
+	quota     map[int]bool            // per service: over quota_headroom × its limit
 	draining  map[string]*host        // removed upstreams with connections in flight
 	gen       uint64                  // the last Update, for host.mark
 
 	ejectMu sync.Mutex // ejection and re-admission against the per-slice counters
 
-	changed chan struct{} // coalesced Changed notifications for Run
+	changed    chan struct{} // coalesced Changed notifications for Run
+	reconfig   chan struct{} // SetConfig tells Run to reset its tickers
 
 	rotMu     sync.Mutex
 	rotClosed bool
@@ -66,6 +70,8 @@ type slice struct {
 	bands    [2]atomic.Pointer[band] // latency strategy: without, with quota upstreams
 	eligible atomic.Int64            // members the provider does not exclude: the base of the ejection cap
 	ejected  atomic.Int64            // members out of rotation by ejection
+	held     atomic.Int64            // failing members kept in by the ejection cap
+	panic    atomic.Bool             // held > 0 and the cap is reached; changes under Pool.ejectMu
 	_        [64]byte                // every pick writes rr: keep it off the lines every pick reads
 	rr       atomic.Uint64           // round-robin position, also the start of scans
 	_        [56]byte
@@ -78,24 +84,30 @@ func New(cfg Config, opts Options) (*Pool, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("validating pool config: %w", err)
 	}
-	if cfg.ProbeInterval > 0 && opts.Prober == nil {
-		return nil, fmt.Errorf("validating pool config: probe_interval is set but no prober was given")
+	if err := needProber(cfg, opts); err != nil {
+		return nil, err
 	}
 	p := &Pool{
-		cfg:      cfg,
 		opts:     opts,
 		log:      opts.Logger,
+		events:   opts.Events,
 		now:      opts.Now,
 		rand:     opts.Rand,
 		sticky:   newStickyTable(cfg.StickyMax),
 		errored:  map[int]map[string]bool{},
 		inactive: map[int]map[string]bool{},
+		usage:    map[int]ServiceUsage{},
 		quota:    map[int]bool{},
 		draining: map[string]*host{},
 		changed:  make(chan struct{}, 1),
+		reconfig: make(chan struct{}, 1),
 	}
+	p.cfg.Store(&cfg)
 	if p.log == nil {
 		p.log = slog.New(slog.DiscardHandler)
+	}
+	if p.events == nil {
+		p.events = NewEventLog(DefaultEventLogSize, p.log, opts.Now)
 	}
 	if p.now == nil {
 		p.now = time.Now
@@ -107,6 +119,18 @@ func New(cfg Config, opts Options) (*Pool, error) {
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	p.snap.Store(p.build(nil, map[string]*host{}, time.Time{}))
 	return p, nil
+}
+
+func needProber(cfg Config, opts Options) error {
+	if cfg.ProbeInterval > 0 && opts.Prober == nil {
+		return errors.New("validating pool config: probe_interval is set but no prober was given")
+	}
+	return nil
+}
+
+// record adds an event to the log, stamped with the pool's clock.
+func (p *Pool) record(kind EventKind, upstream string, service int, reason string) {
+	p.events.Record(Event{Time: p.now(), Kind: kind, Upstream: upstream, Service: service, Reason: reason})
 }
 
 // tickEvery is how often Run refreshes the hot path's clock.
@@ -129,6 +153,50 @@ func (p *Pool) notifyChanged() {
 	default:
 	}
 }
+
+// SetConfig swaps in a new configuration, for a reload: it validates cfg
+// and, if it is good, applies it to the next pick. The strategy, the health
+// options (failure_threshold, the ejection times and cap, the latency band),
+// the quota headroom (every service's quota state is evaluated again), the
+// sticky limits (a smaller sticky_max evicts the least recently used keys;
+// 0 drops them all) and the rotation and probe options all take effect;
+// upstreams keep their health state, ejections and sticky assignments. An
+// ejection under way keeps the end it was given. A bad cfg changes nothing.
+// Safe to call while picks, reports and releases run.
+func (p *Pool) SetConfig(cfg Config) error {
+	if err := cfg.Validate(); err != nil {
+		return fmt.Errorf("validating pool config: %w", err)
+	}
+	if err := needProber(cfg, p.opts); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	p.cfg.Store(&cfg)
+	p.sticky.resize(cfg.StickyMax)
+	var events []Event
+	for _, service := range slices.Sorted(maps.Keys(p.usage)) {
+		if ev := p.evalQuota(service, cfg.QuotaHeadroom); ev.Kind != "" {
+			events = append(events, ev)
+		}
+	}
+	// Fresh listener slices: latency bands of the new tolerance and panic
+	// modes under the new cap.
+	s := p.snap.Load()
+	p.publish(p.build(s.hosts, s.byID, s.updated))
+	p.mu.Unlock()
+	for _, ev := range events {
+		p.events.Record(ev)
+	}
+	select {
+	case p.reconfig <- struct{}{}:
+	default:
+	}
+	p.notifyChanged()
+	return nil
+}
+
+// Config returns the configuration in force.
+func (p *Pool) Config() Config { return *p.cfg.Load() }
 
 // SetListeners sets the listener slices that Request.Listener names. Until
 // it is called, or after it is called with none, every pick draws from the
@@ -167,18 +235,28 @@ func (p *Pool) build(hosts []*host, byID map[string]*host, updated time.Time) *s
 }
 
 // publish counts the per-slice figures of s from its hosts' state and makes
-// it current; the caller holds p.mu.
+// it current; a listener whose panic mode starts or ends with it (its
+// members, or the ejection cap, changed) gets an event. The caller holds
+// p.mu.
 func (p *Pool) publish(s *snapshot) {
 	p.ejectMu.Lock()
 	defer p.ejectMu.Unlock()
+	old := p.snap.Load()
+	cfg := p.cfg.Load()
 	for _, sl := range s.slices {
 		sl.count()
+		if o := old.slice(sl.Name); o != nil && o != old.all {
+			sl.panic.Store(o.panic.Load()) // the listener's mode so far
+		}
 	}
 	p.snap.Store(s)
+	for _, sl := range s.slices {
+		p.checkPanic(cfg, s, sl)
+	}
 }
 
 func (sl *slice) count() {
-	var eligible, ejected int64
+	var eligible, ejected, held int64
 	for _, h := range sl.members {
 		if h.flags.Load()&(fProviderError|fProviderInactive) == 0 {
 			eligible++
@@ -186,9 +264,13 @@ func (sl *slice) count() {
 		if h.ejectedUntil.Load() != 0 {
 			ejected++
 		}
+		if h.held.Load() {
+			held++
+		}
 	}
 	sl.eligible.Store(eligible)
 	sl.ejected.Store(ejected)
+	sl.held.Store(held)
 }
 
 func (s *snapshot) slice(name string) *slice {
@@ -206,13 +288,15 @@ func (s *snapshot) slice(name string) *slice {
 func sameUpstream(a, b *Upstream) bool {
 	return a.Service == b.Service && a.Kind == b.Kind && a.Protocol == b.Protocol &&
 		a.Address == b.Address && a.Username == b.Username && a.Password == b.Password &&
-		a.Server == b.Server && a.Session == b.Session && a.ExitIP == b.ExitIP
+		a.Server == b.Server && a.Session == b.Session && a.ExitIP == b.ExitIP && a.Match == b.Match
 }
 
 // Update swaps in a new upstream set. Upstreams whose ID stays keep their
 // health, counters and sticky keys; new ones start healthy; removed ones
 // drain: no new connections, and they leave once none is in flight.
-// Duplicate IDs keep the first.
+// Duplicate IDs keep the first. Each upstream that joins or leaves gets an
+// event (added, removed), and one that joins on a provider's list gets that
+// list's event too.
 func (p *Pool) Update(ups []Upstream) {
 	p.mu.Lock()
 	old := p.snap.Load()
@@ -286,6 +370,18 @@ func (p *Pool) Update(ups []Upstream) {
 	p.publish(p.build(hosts, byID, p.now()))
 	p.pruneDraining()
 	p.mu.Unlock()
+	if len(fresh) > 0 {
+		for _, h := range hosts {
+			if fresh[h.id] == h {
+				u := h.cur.Load()
+				p.record(EventAdded, h.id, u.Service, "")
+				p.recordProvider(h, 0, h.flags.Load())
+			}
+		}
+	}
+	for _, h := range removed {
+		p.record(EventRemoved, h.id, h.cur.Load().Service, "")
+	}
 	for _, h := range rotate {
 		p.requestRotate(h)
 	}
@@ -347,13 +443,20 @@ func (p *Pool) applyStatus(h *host) (rotate bool) {
 // service; it takes effect at once. An upstream whose host (for a ppr
 // sticky session: its gateway) is listed takes no new connections. A ppr
 // sticky session whose exit IP is errored is rotated instead (at most once
-// per RotateInterval); it is not excluded for that.
+// per RotateInterval); it is not excluded for that. Each upstream whose
+// provider state changes gets an event (provider_error, provider_inactive,
+// provider_ok); one whose state stays gets none, however often it is set.
 func (p *Pool) SetProviderStatus(service int, errored, inactive []string) {
+	type change struct {
+		h           *host
+		before, now uint32
+	}
 	p.mu.Lock()
 	p.errored[service] = toSet(errored)
 	p.inactive[service] = toSet(inactive)
 	s := p.snap.Load()
 	var rotate []*host
+	var changes []change
 	changed := false
 	for _, h := range s.hosts {
 		if h.cur.Load().Service != service {
@@ -363,18 +466,56 @@ func (p *Pool) SetProviderStatus(service int, errored, inactive []string) {
 		if p.applyStatus(h) {
 			rotate = append(rotate, h)
 		}
-		changed = changed || h.flags.Load()&providerBits != before
+		now := h.flags.Load() & providerBits
+		changed = changed || now != before
+		if providerState(before) != providerState(now) {
+			changes = append(changes, change{h, before, now})
+		}
 	}
 	if changed {
 		p.publish(s) // recount the ejection cap's base
 	}
 	p.mu.Unlock()
+	for _, c := range changes {
+		p.recordProvider(c.h, c.before, c.now)
+	}
 	for _, h := range rotate {
 		p.requestRotate(h)
 	}
 	if changed {
 		p.notifyChanged()
 	}
+}
+
+// providerState is the event kind of the provider bits f ("" when the
+// provider excludes nothing); inactive wins, as in /pool.
+func providerState(f uint32) EventKind {
+	switch {
+	case f&fProviderInactive != 0:
+		return EventProviderInactive
+	case f&fProviderError != 0:
+		return EventProviderError
+	}
+	return ""
+}
+
+// recordProvider records h's provider event for a change of its flags from
+// before to now, if the change is one.
+func (p *Pool) recordProvider(h *host, before, now uint32) {
+	b, n := providerState(before), providerState(now)
+	if b == n {
+		return
+	}
+	kind, reason := n, ""
+	switch n {
+	case EventProviderInactive:
+		reason = "on the provider's inactive list"
+	case EventProviderError:
+		reason = "on the provider's errored list"
+	default:
+		kind, reason = EventProviderOK, "off the provider's errored and inactive lists"
+	}
+	p.record(kind, h.id, h.cur.Load().Service, reason)
 }
 
 func toSet(ips []string) map[string]bool {
@@ -388,16 +529,52 @@ func toSet(ips []string) map[string]bool {
 	return m
 }
 
-// SetQuota records whether a ppr service reached its usage limit. Its
-// upstreams then take new connections only where no other service's
-// upstream of the same listener slice is usable.
-func (p *Pool) SetQuota(service int, reached bool) {
+// ServiceUsage is a ppr service's usage as the provider last reported it:
+// rate against limit, in requests or MB.
+type ServiceUsage struct {
+	Rate  float64 `json:"rate"`
+	Limit float64 `json:"limit"`
+}
+
+// SetUsage records a ppr service's usage. The service is over quota when
+// limit > 0 and rate >= quota_headroom × limit: its upstreams then take new
+// connections only where no other service's upstream of the same listener
+// slice is usable. A service back under serves again. Each change gets an
+// event (quota, quota_ok). A limit of 0 (or less) means no limit: the
+// service is never over quota, and its figures are forgotten.
+func (p *Pool) SetUsage(service int, rate, limit float64) {
 	p.mu.Lock()
-	if p.quota[service] == reached {
-		p.mu.Unlock()
-		return
+	if limit > 0 {
+		p.usage[service] = ServiceUsage{Rate: rate, Limit: limit}
+	} else {
+		delete(p.usage, service)
 	}
-	if reached {
+	ev := p.evalQuota(service, p.cfg.Load().QuotaHeadroom)
+	p.mu.Unlock()
+	if ev.Kind != "" {
+		p.events.Record(ev)
+		p.notifyChanged()
+	}
+}
+
+// Usage returns the figures SetUsage holds, per service with a limit: what
+// a state file keeps, and restores with SetUsage.
+func (p *Pool) Usage() map[int]ServiceUsage {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return maps.Clone(p.usage)
+}
+
+// evalQuota sets service's quota state from its usage and headroom and
+// returns the event of a change (a zero Event when none); the caller holds
+// p.mu and records the event after unlocking.
+func (p *Pool) evalQuota(service int, headroom float64) Event {
+	u, ok := p.usage[service]
+	over := ok && u.Limit > 0 && u.Rate >= headroom*u.Limit
+	if p.quota[service] == over {
+		return Event{}
+	}
+	if over {
 		p.quota[service] = true
 	} else {
 		delete(p.quota, service)
@@ -408,8 +585,15 @@ func (p *Pool) SetQuota(service int, reached bool) {
 			p.applyStatus(h)
 		}
 	}
-	p.mu.Unlock()
-	p.notifyChanged()
+	ev := Event{Time: p.now(), Kind: EventQuotaOK, Service: service,
+		Reason: fmt.Sprintf("usage %g of limit %g, under quota_headroom %g", u.Rate, u.Limit, headroom)}
+	if over {
+		ev.Kind = EventQuota
+		ev.Reason = fmt.Sprintf("usage %g of limit %g, at or over quota_headroom %g", u.Rate, u.Limit, headroom)
+	} else if !ok {
+		ev.Reason = "no usage limit"
+	}
+	return ev
 }
 
 // Upstreams returns the current set with credentials, for the state file.

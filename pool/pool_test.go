@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"maps"
 	"math"
 	"reflect"
 	"slices"
@@ -277,7 +278,7 @@ func TestQuota(t *testing.T) {
 	}
 	p.Update(append(a, b...))
 	p.SetListeners([]ListenerSlice{{Name: "all"}, {Name: "ppr", Kind: PPR}})
-	p.SetQuota(1, true)
+	p.SetUsage(1, 100, 100)
 	for range 30 {
 		if u := pickReport(t, p, Request{Listener: "all"}, Success); u.Service != 2 {
 			t.Fatalf("picked %s of a service in quota while another can serve", u.ID())
@@ -299,7 +300,7 @@ func TestQuota(t *testing.T) {
 		t.Errorf("picked %s", u.ID())
 	}
 	p.SetProviderStatus(2, nil, nil)
-	p.SetQuota(1, false)
+	p.SetUsage(1, 10, 100)
 	seen := map[int]bool{}
 	for range 20 {
 		seen[pickReport(t, p, Request{Listener: "all"}, Success).Service] = true
@@ -417,5 +418,108 @@ func TestChangedHook(t *testing.T) {
 	case <-changed:
 	case <-time.After(5 * time.Second):
 		t.Fatal("Changed not called after Update")
+	}
+}
+
+// TestQuotaHeadroom: at quota_headroom 0.5, a service whose usage is at 60 %
+// of its limit takes no new connections while another service serves the
+// listener, and takes them again once its usage drops under half its limit.
+func TestQuotaHeadroom(t *testing.T) {
+	clk := newClock()
+	events := NewEventLog(0, nil, clk.Now)
+	p := newTestPool(t, conf(func(c *Config) { c.QuotaHeadroom = 0.5 }), Options{Now: clk.Now, Events: events})
+	a, b := sessions(1, 3, "198.51.100.1"), ups(2, 2)
+	for i := range a {
+		a[i].Session = "" // plain rotating upstreams
+		a[i].Address = a[i].ExitIP + ":9000"
+	}
+	p.Update(append(a, b...))
+	p.SetListeners([]ListenerSlice{{Name: "all"}})
+	services := func() map[int]int {
+		seen := map[int]int{}
+		for range 20 {
+			seen[pickReport(t, p, Request{Listener: "all"}, Success).Service]++
+		}
+		return seen
+	}
+
+	p.SetUsage(1, 40, 100) // 40 %: under the headroom
+	if seen := services(); seen[1] == 0 || seen[2] == 0 {
+		t.Fatalf("at 40 %% of the limit: picks per service %v, want both", seen)
+	}
+	p.SetUsage(1, 60, 100) // 60 %: over half the limit
+	if seen := services(); seen[1] != 0 {
+		t.Fatalf("at 60 %% of the limit with headroom 0.5: picks per service %v, want none of service 1", seen)
+	}
+	if s := stateOf(t, p, a[0].ID()); s.State != Quota {
+		t.Errorf("state = %s, want quota", s.State)
+	}
+	p.SetUsage(1, 70, 100) // still over: no second event
+	if got := p.Usage(); !maps.Equal(got, map[int]ServiceUsage{1: {Rate: 70, Limit: 100}}) {
+		t.Errorf("Usage() = %v", got)
+	}
+	p.SetUsage(1, 45, 100) // back under
+	if seen := services(); seen[1] == 0 || seen[2] == 0 {
+		t.Fatalf("back at 45 %%: picks per service %v, want both", seen)
+	}
+	if s := stateOf(t, p, a[0].ID()); s.State != Healthy {
+		t.Errorf("state = %s, want healthy", s.State)
+	}
+	// A limit of 0 is no limit: never over quota, and forgotten.
+	p.SetUsage(1, 1e9, 0)
+	if seen := services(); seen[1] == 0 {
+		t.Errorf("without a limit: picks per service %v", seen)
+	}
+	if got := p.Usage(); len(got) != 0 {
+		t.Errorf("Usage() = %v after a limit of 0", got)
+	}
+
+	var evs []Event
+	var kinds []EventKind
+	for _, e := range events.Events(EventFilter{}) {
+		if e.Kind != EventQuota && e.Kind != EventQuotaOK {
+			continue
+		}
+		if e.Upstream != "" || e.Service != 1 {
+			t.Errorf("quota event: %+v", e)
+		}
+		evs = append(evs, e)
+		kinds = append(kinds, e.Kind)
+	}
+	if want := []EventKind{EventQuotaOK, EventQuota}; !slices.Equal(kinds, want) {
+		t.Errorf("service 1 events newest first = %v, want %v (%+v)", kinds, want, evs)
+	}
+	if len(evs) == 2 && !strings.Contains(evs[1].Reason, "usage 60 of limit 100") {
+		t.Errorf("quota reason = %q", evs[1].Reason)
+	}
+}
+
+// TestMatch: an upstream's Match is shown in /pool as "match", and is not
+// part of its identity: a new Match keeps the upstream's state.
+func TestMatch(t *testing.T) {
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: newClock().Now})
+	set := sessions(1, 2, "198.51.100.1")
+	set[0].Match = "record"
+	p.Update(set)
+	id := set[0].ID()
+	fail(p, handle(p, set[0]), 3)
+	if s := stateOf(t, p, id); s.Match != "record" || s.State != Ejected {
+		t.Fatalf("%s: match %q, state %s", id, s.Match, s.State)
+	}
+	if s := stateOf(t, p, set[1].ID()); s.Match != "" {
+		t.Errorf("%s: match %q, want empty", set[1].ID(), s.Match)
+	}
+	set[0].Match = "list"
+	p.Update(set)
+	if set[0].ID() != id {
+		t.Fatalf("ID changed with match: %s", set[0].ID())
+	}
+	s := stateOf(t, p, id)
+	if s.Match != "list" || s.State != Ejected || s.Ejections != 1 {
+		t.Errorf("after a new match: %+v", s)
+	}
+	b, err := json.Marshal(s)
+	if err != nil || !strings.Contains(string(b), `"match":"list"`) {
+		t.Errorf("JSON %s, %v", b, err)
 	}
 }

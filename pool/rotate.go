@@ -15,7 +15,10 @@ type rotation struct {
 }
 
 // requestRotate asks the Rotator to rotate h's session, at most once per
-// session per RotateInterval; the session is rotating until the answer.
+// session per RotateInterval; the session is rotating until the answer. A
+// request held back by RotateInterval is counted by the Rotated hook as
+// "rate_limited" but is no event: no rotation was tried, and it happens on
+// every failure of the session within the interval.
 func (p *Pool) requestRotate(h *host) {
 	if p.opts.Rotator == nil || h.rot.Load() != nil {
 		return
@@ -26,7 +29,7 @@ func (p *Pool) requestRotate(h *host) {
 	}
 	now := p.now().UnixNano()
 	last := h.lastRotate.Load()
-	if last != 0 && now-last < int64(p.cfg.RotateInterval) {
+	if last != 0 && now-last < int64(p.cfg.Load().RotateInterval) {
 		p.rotated(u.Service, "rate_limited")
 		return
 	}
@@ -59,7 +62,7 @@ func (p *Pool) rotated(service int, result string) {
 // rotate runs one rotation; Run waits for it.
 func (p *Pool) rotate(h *host, r *rotation, u *Upstream) {
 	defer p.rotWG.Done()
-	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.RotateTimeout)
+	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.Load().RotateTimeout)
 	exitIP, err := p.opts.Rotator.Rotate(ctx, u.Service, u.Server, u.Session)
 	cancel()
 	result := "ok"
@@ -80,16 +83,23 @@ func (p *Pool) rotate(h *host, r *rotation, u *Upstream) {
 		p.mu.Unlock()
 		// A new exit IP: the session starts over as healthy.
 		h.consec.Store(0)
-		h.held.Store(false)
+		if h.held.Load() {
+			p.unhold(h)
+		}
 		if h.ejectedUntil.Load() != 0 {
 			p.readmit(h, p.now().UnixNano())
 		}
 		r.ok = true
-		p.log.Info("rotated sticky session", "id", h.id, "exit_ip", exitIP)
+		p.log.Debug("rotated sticky session", "id", h.id, "exit_ip", exitIP)
 	}
 	h.setFlags(fRotating, 0)
 	h.rot.Store(nil)
 	close(r.done)
+	if r.ok {
+		p.record(EventRotated, h.id, u.Service, result)
+	} else {
+		p.record(EventRotationFailed, h.id, u.Service, result)
+	}
 	p.rotated(u.Service, result)
 	if r.ok {
 		p.notifyChanged()

@@ -9,20 +9,31 @@ import (
 // idle sweep, forgetting drained upstreams, the optional active probe, and
 // the Changed hook, and the hot path's copy of the clock: without Run (and
 // without Options.Now) ejections do not end and sticky keys do not expire.
-// When ctx ends it cancels running rotations, waits for them and returns
-// nil. Call it once.
+// A SetConfig resets its sweep and probe periods. When ctx ends it cancels
+// running rotations, waits for them and returns nil. Call it once.
 func (p *Pool) Run(ctx context.Context) error {
 	defer p.stopRotations()
-	sweep := time.NewTicker(min(max(p.cfg.StickyIdle/4, time.Second), time.Minute))
-	defer sweep.Stop()
 	tick := time.NewTicker(tickEvery)
 	defer tick.Stop()
-	var probe <-chan time.Time
-	if p.cfg.ProbeInterval > 0 {
-		t := time.NewTicker(p.cfg.ProbeInterval)
-		defer t.Stop()
-		probe = t.C
+	var sweep, probe *time.Ticker
+	var probeC <-chan time.Time
+	stop := func() {
+		sweep.Stop()
+		if probe != nil {
+			probe.Stop()
+		}
 	}
+	start := func() {
+		cfg := p.cfg.Load()
+		sweep = time.NewTicker(sweepEvery(cfg.StickyIdle))
+		probe, probeC = nil, nil
+		if cfg.ProbeInterval > 0 {
+			probe = time.NewTicker(cfg.ProbeInterval)
+			probeC = probe.C
+		}
+	}
+	start()
+	defer stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -31,8 +42,11 @@ func (p *Pool) Run(ctx context.Context) error {
 			p.tick.Store(t.UnixNano())
 		case <-sweep.C:
 			p.sweep()
-		case <-probe:
+		case <-probeC:
 			p.probeOnce(ctx)
+		case <-p.reconfig:
+			stop()
+			start()
 		case <-p.changed:
 			if f := p.opts.Hooks.Changed; f != nil {
 				f()
@@ -41,11 +55,17 @@ func (p *Pool) Run(ctx context.Context) error {
 	}
 }
 
+// sweepEvery is the period of the idle sweep of sticky keys.
+func sweepEvery(idle time.Duration) time.Duration {
+	return min(max(idle/4, time.Second), time.Minute)
+}
+
 // sweep drops idle sticky keys and drained upstreams.
 func (p *Pool) sweep() {
 	now := p.now().UnixNano()
+	idle := int64(p.cfg.Load().StickyIdle)
 	for i := range p.sticky.shards {
-		p.sticky.shards[i].expire(now, int64(p.cfg.StickyIdle))
+		p.sticky.shards[i].expire(now, idle)
 	}
 	p.mu.Lock()
 	p.pruneDraining()
@@ -55,13 +75,17 @@ func (p *Pool) sweep() {
 // probeOnce probes ejected upstreams, as many as the minute's budget allows,
 // continuing where the last round stopped. A success re-admits the upstream.
 func (p *Pool) probeOnce(ctx context.Context) {
+	if p.opts.Prober == nil {
+		return
+	}
 	now := p.now()
 	if now.Sub(p.probeWindow) >= time.Minute {
 		p.probeWindow, p.probeUsed = now, 0
 	}
+	cfg := p.cfg.Load()
 	s := p.snap.Load()
 	n := len(s.hosts)
-	for i := 0; i < n && p.probeUsed < p.cfg.ProbeBudget && ctx.Err() == nil; i++ {
+	for i := 0; i < n && p.probeUsed < cfg.ProbeBudget && ctx.Err() == nil; i++ {
 		p.probeCursor++
 		if p.probeCursor >= n {
 			p.probeCursor = 0
@@ -74,7 +98,7 @@ func (p *Pool) probeOnce(ctx context.Context) {
 			continue // a connection is trying it
 		}
 		p.probeUsed++
-		pctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeTimeout)
+		pctx, cancel := context.WithTimeout(ctx, cfg.ProbeTimeout)
 		r := p.opts.Prober.Probe(pctx, h.cur.Load())
 		cancel()
 		switch {

@@ -140,7 +140,7 @@ func (p *Pool) band(sl *slice, quota, stale bool) *band {
 		}
 	}
 	f := filter{quota: quota, clock: p.fastNow}
-	nb := &band{hosts: latencyBand(sl.members, &f, p.cfg.LatencyTolerance), until: p.fastNow() + bandMaxAge}
+	nb := &band{hosts: latencyBand(sl.members, &f, p.cfg.Load().LatencyTolerance), until: p.fastNow() + bandMaxAge}
 	nb.left.Store(int64(max(64, len(sl.members)/8)))
 	sl.bands[i].Store(nb)
 	return nb
@@ -158,10 +158,11 @@ func (p *Pool) choose(sl *slice, f *filter) *host {
 }
 
 func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
+	cfg := p.cfg.Load()
 	for range 4 { // take fails only when another connection won a trial
 		hs := sl.members
 		var i int
-		switch p.cfg.Strategy {
+		switch cfg.Strategy {
 		case Random:
 			i = pickFirst(hs, p.rand(), f)
 		case LeastConn:
@@ -175,7 +176,7 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 				if len(f.avoid) == 0 && f.skip == nil {
 					hs = p.band(sl, f.quota, true).hosts
 				} else {
-					hs = latencyBand(sl.members, f, p.cfg.LatencyTolerance)
+					hs = latencyBand(sl.members, f, cfg.LatencyTolerance)
 				}
 				i = pickFirst(hs, sl.rr.Load(), f)
 			}
@@ -194,16 +195,18 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 
 // Pick returns an upstream for one connection attempt of req.Listener and
 // counts it in flight; every Pick is followed by one Report and one Release.
-// It honours req.Avoid and, for a req.Key, stickiness (see DESIGN.md §7). It
+// It honours req.Avoid and, for a req.Key, stickiness: the key keeps the
+// upstream it was first given while that is usable (see pickSticky). It
 // never blocks, except that a key whose ppr session is rotating waits for
 // the rotation up to Config.RotateWait. ErrNoUpstream: nothing is usable.
+// With Config.StickyMax 0 keys are ignored.
 func (p *Pool) Pick(ctx context.Context, req Request) (*Upstream, error) {
 	s := p.snap.Load()
 	sl := s.slice(req.Listener)
 	if sl == nil {
 		return nil, ErrUnknownListener
 	}
-	if req.Key != "" {
+	if req.Key != "" && p.cfg.Load().StickyMax > 0 {
 		return p.pickSticky(ctx, sl, req)
 	}
 	return p.pickOnce(sl, req.Avoid, nil)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"hash/maphash"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -40,7 +41,7 @@ type stickyTable struct {
 	seed     maphash.Seed
 	shards   []stickyShard
 	mask     uint64
-	perShard int
+	perShard atomic.Int64 // changed by resize
 }
 
 func newStickyTable(max int) *stickyTable {
@@ -49,11 +50,27 @@ func newStickyTable(max int) *stickyTable {
 		n *= 2
 	}
 	t := &stickyTable{seed: maphash.MakeSeed(), shards: make([]stickyShard, n), mask: uint64(n - 1)}
-	t.perShard = (max + n - 1) / n
+	t.perShard.Store(int64((max + n - 1) / n))
 	for i := range t.shards {
 		t.shards[i].m = make(map[uint64]*stickyEntry)
 	}
 	return t
+}
+
+// resize bounds the table to max keys, evicting the least recently used
+// ones past it. The number of shards stays what the first size made it.
+func (t *stickyTable) resize(max int) {
+	n := len(t.shards)
+	per := (max + n - 1) / n
+	t.perShard.Store(int64(per))
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		for s.n > per {
+			s.remove(s.tail)
+		}
+		s.mu.Unlock()
+	}
 }
 
 // locate returns k's shard and hash.
@@ -132,12 +149,12 @@ func (s *stickyShard) remove(e *stickyEntry) {
 	e.chain = nil
 }
 
-func (s *stickyShard) add(k stickyKey, hash uint64, h *host, now int64, max int) {
+func (s *stickyShard) add(k stickyKey, hash uint64, h *host, now int64, max int64) {
 	e := &stickyEntry{k: k, hash: hash, h: h, used: now, chain: s.m[hash]}
 	s.m[hash] = e
 	s.n++
 	s.pushFront(e)
-	for s.n > max {
+	for int64(s.n) > max && s.tail != nil {
 		s.remove(s.tail)
 	}
 }
@@ -183,7 +200,8 @@ func (t *stickyTable) lookup(listener, key string) *host {
 func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstream, error) {
 	k := stickyKey{req.Listener, req.Key}
 	sh, hash := p.sticky.locate(k)
-	idle := int64(p.cfg.StickyIdle)
+	cfg := p.cfg.Load()
+	idle := int64(cfg.StickyIdle)
 	rotated := false // the key's session just rotated: its new exit IP is worth trying again
 	waited := false
 	for {
@@ -203,7 +221,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 			}
 			if r := h.rot.Load(); r != nil && !waited {
 				sh.mu.Unlock()
-				done, err := p.waitRotation(ctx, r)
+				done, err := p.waitRotation(ctx, r, cfg.RotateWait)
 				if err != nil {
 					return nil, err
 				}
@@ -245,7 +263,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 		if e != nil {
 			e.h = h
 		} else {
-			sh.add(k, hash, h, now, p.sticky.perShard)
+			sh.add(k, hash, h, now, p.sticky.perShard.Load())
 		}
 		sh.mu.Unlock()
 		return h.cur.Load(), nil
@@ -262,12 +280,15 @@ func (p *Pool) pickOnce(sl *slice, avoid []string, skip *host) (*Upstream, error
 	return h.cur.Load(), nil
 }
 
-// waitRotation waits for r up to RotateWait; done is false when the bound
-// passed first. The error is the context's.
-func (p *Pool) waitRotation(ctx context.Context, r *rotation) (done bool, err error) {
+// waitRotation waits for r up to bound; done is false when the bound passed
+// first (at once when it is 0). The error is the context's.
+func (p *Pool) waitRotation(ctx context.Context, r *rotation, bound time.Duration) (done bool, err error) {
+	if bound <= 0 {
+		return false, nil
+	}
 	r.waiting.Add(1)
 	defer r.waiting.Add(-1)
-	t := time.NewTimer(p.cfg.RotateWait)
+	t := time.NewTimer(bound)
 	defer t.Stop()
 	select {
 	case <-r.done:

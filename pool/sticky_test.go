@@ -171,8 +171,8 @@ func TestStickyTableCapAndIdle(t *testing.T) {
 func TestStickyTableShards(t *testing.T) {
 	for _, tt := range []struct{ max, shards int }{{1, 1}, {100, 1}, {2048, 2}, {100000, 64}, {10000000, 64}} {
 		st := newStickyTable(tt.max)
-		if len(st.shards) != tt.shards || st.perShard*len(st.shards) < tt.max {
-			t.Errorf("max %d: %d shards of %d", tt.max, len(st.shards), st.perShard)
+		if len(st.shards) != tt.shards || int(st.perShard.Load())*len(st.shards) < tt.max {
+			t.Errorf("max %d: %d shards of %d", tt.max, len(st.shards), st.perShard.Load())
 		}
 	}
 }

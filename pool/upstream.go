@@ -21,7 +21,9 @@ const (
 	PPR Kind = "ppr" // rotating proxies, optionally with sticky sessions
 )
 
-// Upstream is one dialable proxy endpoint (DESIGN.md §2). Its exported fields
+// Upstream is one dialable proxy endpoint: protocol and host:port,
+// credentials, the service it belongs to and its product type, and for a
+// ppr sticky session the session it stands for. Its exported fields
 // are set by whoever builds the upstream set and never change afterwards: a
 // changed exit IP or credential comes with the next Update. The pool keeps its
 // own mutable health state behind the unexported field, so a *Upstream handed
@@ -36,12 +38,19 @@ type Upstream struct {
 	Server   string // ppr sticky session: the gateway host name ({server} of rotate)
 	Session  string // ppr sticky session id ({session} of rotate)
 	ExitIP   string // ppr sticky session: the current exit IP, when known
+	// Match says what named this ppr sticky session's port for its
+	// protocol: "record" (the session record named a port for the
+	// protocol), "list" (the record's one port is in this protocol's IP
+	// list), "single" (the list's only entry for the session's server);
+	// "" for upstreams that stand for no session. Not part of the ID.
+	Match string
 
 	h *host // owned by the pool; nil on upstreams that no pool handed out
 }
 
 // ID is the stable identity of an upstream: service/protocol/address, plus
-// /session for a ppr sticky session. A refresh that yields the same ID keeps
+// /session for a ppr sticky session (credentials, exit IP and Match are not
+// part of it). A refresh that yields the same ID keeps
 // the upstream's state.
 func (u *Upstream) ID() string {
 	if h := u.h; h != nil && h.cur.Load() == u {
@@ -68,8 +77,10 @@ func appendID(b []byte, u *Upstream) []byte {
 }
 
 // Result is what happened when a connection was tried through an upstream:
-// success, a failure of the upstream itself (DESIGN.md §7 failure classes),
-// or something that says nothing about the upstream.
+// success, a failure of the upstream itself (one of the failure classes
+// below, the only outcomes that count toward ejection), or something that
+// says nothing about the upstream: what points at the destination, or a
+// connection that ended before any verdict.
 type Result uint8
 
 const (
@@ -115,7 +126,7 @@ func FailureReasons() []string {
 	return out
 }
 
-// State of an upstream as /pool shows it (DESIGN.md §5).
+// State of an upstream as the admin endpoint GET /pool shows it.
 type State string
 
 const (
@@ -141,7 +152,8 @@ type Request struct {
 	Avoid    []string // IDs of upstreams this connection already tried
 }
 
-// Explanation is what /pool shows (DESIGN.md §5). It never holds a password.
+// Explanation is what the admin endpoint GET /pool shows, as JSON. It never
+// holds a password or token.
 type Explanation struct {
 	Updated   time.Time             `json:"updated"`
 	Listeners []ListenerExplanation `json:"listeners"`
@@ -164,6 +176,7 @@ type UpstreamExplanation struct {
 	Server              string     `json:"server"`
 	Session             string     `json:"session"`
 	ExitIP              string     `json:"exit_ip"`
+	Match               string     `json:"match"`
 	State               State      `json:"state"`
 	Reason              string     `json:"reason"`
 	Failures            int64      `json:"failures"`
