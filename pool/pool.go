@@ -40,8 +40,8 @@ type Pool struct {
 
 	ejectMu sync.Mutex // ejection and re-admission against the per-slice counters
 
-	changed    chan struct{} // coalesced Changed notifications for Run
-	reconfig   chan struct{} // SetConfig tells Run to reset its tickers
+	changed  chan struct{} // coalesced Changed notifications for Run
+	reconfig chan struct{} // SetConfig tells Run to reset its tickers
 
 	rotMu     sync.Mutex
 	rotClosed bool
