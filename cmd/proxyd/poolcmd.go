@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -15,29 +16,82 @@ import (
 )
 
 // cmdPool is `proxyd pool`: the live pool of a running daemon from its
-// admin /pool endpoint, as tables or JSON.
+// admin /pool endpoint, or with -events its event log from /events, as a
+// table or JSON.
 func cmdPool(ctx context.Context, args []string, io stdio) int {
 	fs := flag.NewFlagSet("pool", flag.ContinueOnError)
 	fs.SetOutput(io.err)
 	admin := fs.String("admin", defaultConfig().Admin.Address, "admin address of the daemon")
-	asJSON := fs.Bool("json", false, "print /pool's JSON")
+	asJSON := fs.Bool("json", false, "print the endpoint's JSON")
+	events := fs.Bool("events", false, "print the event log (/events), newest first, instead of the pool")
 	service := fs.String("service", "", "only this service ID")
-	state := fs.String("state", "", "only upstreams in this state")
-	listener := fs.String("listener", "", "only this listener's upstreams")
-	token := fs.String("token", "", "bearer token of a non-loopback admin address (default $PROXYD_ADMIN_TOKEN)")
+	state := fs.String("state", "", "only upstreams in this state (not with -events)")
+	listener := fs.String("listener", "", "only this listener's upstreams (not with -events)")
+	upstream := fs.String("upstream", "", "with -events: only events of this upstream ID (as /pool names it)")
+	kind := fs.String("kind", "", "with -events: only events of this kind")
+	token := fs.String("token", "", "token of an admin address that wants one (default $PROXYD_ADMIN_TOKEN)")
 	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(io.err, "proxyd pool: unexpected argument %q\n", fs.Arg(0))
 		return 2
 	}
 	if *token == "" {
 		*token = io.getenv("PROXYD_ADMIN_TOKEN")
 	}
-	target := *admin
+	path, filters := "/pool", map[string]string{"service": *service, "state": *state, "listener": *listener}
+	if *events {
+		if *state != "" || *listener != "" {
+			fmt.Fprintln(io.err, "proxyd pool: -state and -listener filter the pool, not -events")
+			return 2
+		}
+		path, filters = "/events", map[string]string{"service": *service, "upstream": *upstream, "kind": *kind}
+	} else if *upstream != "" || *kind != "" {
+		fmt.Fprintln(io.err, "proxyd pool: -upstream and -kind need -events")
+		return 2
+	}
+	body, code := fetchAdmin(ctx, io, *admin, path, filters, *token)
+	if code != 0 {
+		return code
+	}
+	if *asJSON {
+		io.out.Write(ensureNewline(body))
+		return 0
+	}
+	var err error
+	if *events {
+		var ev eventsAnswer
+		if err = json.Unmarshal(body, &ev); err != nil {
+			err = fmt.Errorf("decoding /events: %w", err)
+		} else {
+			err = renderEvents(io.out, ev, time.Now())
+		}
+	} else {
+		var ex pool.Explanation
+		if err = json.Unmarshal(body, &ex); err != nil {
+			err = fmt.Errorf("decoding /pool: %w", err)
+		} else {
+			err = renderPool(io.out, ex, time.Now())
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(io.err, "proxyd pool: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+// fetchAdmin GETs path with the non-empty filters as its query from the
+// admin address; code is the exit code when it is not 0.
+func fetchAdmin(ctx context.Context, io stdio, admin, path string, filters map[string]string, token string) (body []byte, code int) {
+	target := admin
 	if !strings.Contains(target, "://") {
 		target = "http://" + target
 	}
-	target += "/pool"
+	target += path
 	q := url.Values{}
-	for k, v := range map[string]string{"service": *service, "state": *state, "listener": *listener} {
+	for k, v := range filters {
 		if v != "" {
 			q.Set(k, v)
 		}
@@ -50,40 +104,27 @@ func cmdPool(ctx context.Context, args []string, io stdio) int {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd pool: %v\n", err)
-		return 2
+		return nil, 2
 	}
-	if *token != "" {
-		req.Header.Set("Authorization", "Bearer "+*token)
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
 	}
 	resp, err := (&http.Client{Transport: &http.Transport{Proxy: nil}}).Do(req)
 	if err != nil {
-		fmt.Fprintf(io.err, "proxyd pool: is proxyd running with its admin server on %s? %v\n", *admin, err)
-		return 1
+		fmt.Fprintf(io.err, "proxyd pool: is proxyd running with its admin server on %s? %v\n", admin, err)
+		return nil, 1
 	}
 	defer resp.Body.Close()
-	body, err := readAllLimit(resp.Body, 64<<20)
+	body, err = readAllLimit(resp.Body, 64<<20)
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd pool: %v\n", err)
-		return 1
+		return nil, 1
 	}
 	if resp.StatusCode != http.StatusOK {
 		fmt.Fprintf(io.err, "proxyd pool: %s: %s\n", resp.Status, strings.TrimSpace(string(body)))
-		return 1
+		return nil, 1
 	}
-	if *asJSON {
-		io.out.Write(ensureNewline(body))
-		return 0
-	}
-	var ex pool.Explanation
-	if err := json.Unmarshal(body, &ex); err != nil {
-		fmt.Fprintf(io.err, "proxyd pool: decoding /pool: %v\n", err)
-		return 1
-	}
-	if err := renderPool(io.out, ex, time.Now()); err != nil {
-		fmt.Fprintf(io.err, "proxyd pool: %v\n", err)
-		return 1
-	}
-	return 0
+	return body, 0
 }
 
 func readAllLimit(r io.Reader, n int64) ([]byte, error) {
@@ -139,5 +180,26 @@ func renderPool(w io.Writer, ex pool.Explanation, now time.Time) error {
 		updated = ex.Updated.UTC().Format(time.RFC3339)
 	}
 	fmt.Fprintf(w, "\n%d upstreams (%s); pool updated %s\n", len(ex.Upstreams), strings.Join(sum, ", "), updated)
+	return nil
+}
+
+// renderEvents writes the event log, newest first as /events gives it.
+func renderEvents(w io.Writer, ev eventsAnswer, now time.Time) error {
+	t := table{head: []string{"TIME", "AGO", "KIND", "UPSTREAM", "SERVICE", "REASON"}}
+	for _, e := range ev.Events {
+		service := "-"
+		if e.Service != 0 {
+			service = strconv.Itoa(e.Service)
+		}
+		t.add(e.Time.UTC().Format(time.RFC3339), ago(now, e.Time), string(e.Kind), e.Upstream, service, e.Reason)
+	}
+	if err := t.write(w); err != nil {
+		return err
+	}
+	noun := "events"
+	if len(ev.Events) == 1 {
+		noun = "event"
+	}
+	fmt.Fprintf(w, "\n%d %s\n", len(ev.Events), noun)
 	return nil
 }
