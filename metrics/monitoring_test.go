@@ -740,3 +740,32 @@ func TestAlertRules(t *testing.T) {
 		t.Errorf("promtool test rules: %v\n%s", err, out)
 	}
 }
+
+// TestReadmeMonitoring checks that README_monitoring.md names every metric
+// proxyd exports and every alert of alerts.yml, so that the documentation
+// follows what is added.
+func TestReadmeMonitoring(t *testing.T) {
+	readme, err := os.ReadFile("README_monitoring.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rules, err := os.ReadFile("alerts.yml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, families := scriptedFamilies(t)
+	for _, f := range families {
+		if n := f.GetName(); strings.HasPrefix(n, "proxyd_") && !strings.Contains(string(readme), "`"+n+"`") {
+			t.Errorf("README_monitoring.md does not list %s", n)
+		}
+	}
+	alerts := regexp.MustCompile(`(?m)^\s*- alert: (\w+)$`).FindAllStringSubmatch(string(rules), -1)
+	if len(alerts) == 0 {
+		t.Fatal("no alert found in alerts.yml")
+	}
+	for _, a := range alerts {
+		if !strings.Contains(string(readme), "| `"+a[1]+"` |") {
+			t.Errorf("README_monitoring.md does not list alert %s", a[1])
+		}
+	}
+}
