@@ -17,6 +17,7 @@ import (
 
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/forward"
 )
 
 // demoWorld is everything `proxyd demo` runs besides the daemon: the
@@ -27,7 +28,9 @@ type demoWorld struct {
 	origin   string // host:port
 	fprHTTP  []*providersim.Proxy
 	fprSOCKS []*providersim.Proxy
-	sessions []*providersim.Proxy
+	gateways []*providersim.Gateway // one per sticky session of demoPPR, each on its own 127.0.3.N
+	sessions []*providersim.Proxy   // the gateways' HTTP proxies, in the same order
+	names    map[string]string      // upstream IP → the name of the simulated proxy on it
 	servers  []*http.Server
 	wg       sync.WaitGroup
 }
@@ -39,10 +42,19 @@ const (
 )
 
 // startDemoWorld brings up the provider side on loopback. Every upstream
-// proxy has an address of its own in 127.0.0.0/8, so that the provider's
-// network status, which names IPs, can single one out.
+// proxy has an address of its own in 127.0.0.0/8 and connects to
+// destinations from it, so that the provider's network status, which names
+// IPs, can single one out, and the origin can tell which upstream carried a
+// request.
+//
+// The ppr service is laid out as the provider's rotating gateways are
+// believed to be: HTTP and SOCKS5 on different ports of one host. Each
+// sticky session has a gateway of its own (an HTTP and a SOCKS5 proxy on
+// 127.0.3.N); its record names the gateway's IP and its HTTP port, the
+// ppr-http list holds every gateway's HTTP port, ppr-socks every SOCKS5
+// port, so the daemon must find each session's SOCKS5 port in the lists.
 func startDemoWorld() (*demoWorld, error) {
-	w := &demoWorld{sim: providersim.New(providersim.Config{})}
+	w := &demoWorld{sim: providersim.New(providersim.Config{}), names: map[string]string{}}
 	ok := false
 	defer func() {
 		if !ok {
@@ -65,13 +77,6 @@ func startDemoWorld() (*demoWorld, error) {
 		return nil, fmt.Errorf("starting the simulated provider: %w", err)
 	}
 	w.simURL = "http://" + addr
-	w.origin, err = serve(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
-		fmt.Fprintf(rw, "hello from the demo origin: %s %s%s\n", r.Method, r.Host, r.URL.Path)
-	}))
-	if err != nil {
-		return nil, fmt.Errorf("starting the demo origin: %w", err)
-	}
-
 	user, pass := fmt.Sprintf("u%d", demoFPR), fmt.Sprintf("pw-%d-sim", demoFPR)
 	var httpEntries, socksEntries []providersim.Entry
 	for i := 1; i <= 3; i++ {
@@ -80,55 +85,78 @@ func startDemoWorld() (*demoWorld, error) {
 			return nil, fmt.Errorf("starting a demo upstream: %w", err)
 		}
 		w.fprHTTP = append(w.fprHTTP, hp)
-		httpEntries = append(httpEntries, entryOf(hp.Addr(), user, pass))
+		w.names[hp.Host()] = hp.Name
+		httpEntries = append(httpEntries, hp.Entry(user, pass))
 		sp, err := providersim.StartProxy("socks5", fmt.Sprintf("127.0.2.%d:0", i), fmt.Sprintf("fpr-socks-%d", i), user, pass)
 		if err != nil {
 			return nil, fmt.Errorf("starting a demo upstream: %w", err)
 		}
 		w.fprSOCKS = append(w.fprSOCKS, sp)
-		socksEntries = append(socksEntries, entryOf(sp.Addr(), "", ""))
+		w.names[sp.Host()] = sp.Name
+		socksEntries = append(socksEntries, sp.Entry("", ""))
 	}
 	w.sim.SetEntries(demoFPR, "http-auth", httpEntries)
 	w.sim.SetEntries(demoFPR, "socks-ip", socksEntries)
 
-	// The ppr gateway: one port per sticky session, speaking HTTP and SOCKS5.
 	puser, ppass := fmt.Sprintf("u%d", demoPPR), fmt.Sprintf("pw-%d-sim", demoPPR)
 	var sessions []providersim.Session
-	var gw []providersim.Entry
+	var httpGW, socksGW []providersim.Entry
 	for i := 1; i <= 2; i++ {
-		p, err := providersim.StartProxy("any", "127.0.3.1:0", fmt.Sprintf("ppr-session-s%d", i), puser, ppass)
+		g, err := providersim.StartGateway(fmt.Sprintf("127.0.3.%d", i), fmt.Sprintf("ppr-session-s%d", i), puser, ppass)
 		if err != nil {
 			return nil, fmt.Errorf("starting a demo gateway: %w", err)
 		}
-		w.sessions = append(w.sessions, p)
-		e := entryOf(p.Addr(), puser, ppass)
-		gw = append(gw, e)
-		sessions = append(sessions, providersim.Session{Server: e.Host, Session: fmt.Sprintf("s%d", i), Port: e.Port,
-			ExitIP: fmt.Sprintf("198.51.100.%d", i), TTL: 5})
+		w.gateways = append(w.gateways, g)
+		w.sessions = append(w.sessions, g.HTTP)
+		w.names[g.Host()] = g.Name()
+		httpGW = append(httpGW, g.HTTP.Entry(puser, ppass))
+		socksGW = append(socksGW, g.SOCKS.Entry(puser, ppass))
+		sessions = append(sessions, g.Session(fmt.Sprintf("s%d", i), fmt.Sprintf("198.51.100.%d", i), 5))
 	}
-	w.sim.SetEntries(demoPPR, "ppr-http", gw)
-	w.sim.SetEntries(demoPPR, "ppr-socks", gw)
+	w.sim.SetEntries(demoPPR, "ppr-http", httpGW)
+	w.sim.SetEntries(demoPPR, "ppr-socks", socksGW)
 	w.sim.SetStickySessions(demoPPR, sessions)
 	w.sim.SetUsage(demoPPR, 120, 1024)
+
+	// The origin comes last: it reads w.names.
+	w.origin, err = serve(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(rw, "hello from the demo origin: %s %s%s via %s\n", r.Method, r.Host, r.URL.Path, w.carrier(r.RemoteAddr))
+	}))
+	if err != nil {
+		return nil, fmt.Errorf("starting the demo origin: %w", err)
+	}
 	ok = true
 	return w, nil
 }
 
-func entryOf(addr, user, pass string) providersim.Entry {
-	host, port, _ := net.SplitHostPort(addr)
-	var p int
-	fmt.Sscan(port, &p)
-	return providersim.Entry{Host: host, Port: p, Login: user, Password: pass}
+// carrier names the simulated upstream a request to the origin came
+// through, from the address it came from, with the current exit IP when it
+// is a ppr session's gateway.
+func (w *demoWorld) carrier(remoteAddr string) string {
+	ip, _, _ := net.SplitHostPort(remoteAddr)
+	name, ok := w.names[ip]
+	if !ok {
+		return "no simulated upstream (from " + ip + ")"
+	}
+	for _, s := range w.sim.Sessions(demoPPR) {
+		if s.Server == ip {
+			return name + " (exit IP " + s.ExitIP + ")"
+		}
+	}
+	return name
 }
 
 func (w *demoWorld) close() {
 	for _, s := range w.servers {
 		s.Close()
 	}
-	for _, ps := range [][]*providersim.Proxy{w.fprHTTP, w.fprSOCKS, w.sessions} {
+	for _, ps := range [][]*providersim.Proxy{w.fprHTTP, w.fprSOCKS} {
 		for _, p := range ps {
 			p.Close()
 		}
+	}
+	for _, g := range w.gateways {
+		g.Close()
 	}
 	w.wg.Wait()
 }
@@ -159,10 +187,10 @@ func (w *demoWorld) faults(ctx context.Context, every time.Duration, log *slog.L
 		case 2:
 			w.fprHTTP[1].Up()
 			w.fprSOCKS[1].Up()
-			w.sessions[0].Down()
-			log.Info("demo fault: the upstream proxies are back; sticky session s1 fails (proxyd rotates it)")
+			w.gateways[0].Down()
+			log.Info("demo fault: the upstream proxies are back; sticky session s1's gateway fails (proxyd rotates it)")
 		case 3:
-			w.sessions[0].Up()
+			w.gateways[0].Up()
 			log.Info("demo: every fault healed")
 		}
 		step++
@@ -174,14 +202,14 @@ func demoConfig(w *demoWorld, httpAddr, socksAddr, adminAddr, stateDir string) c
 	cfg := defaultConfig()
 	cfg.API.BaseURL = w.simURL
 	cfg.API.Services = []int{demoFPR, demoPPR}
-	cfg.Poll.IPList = duration(15 * time.Second)
-	cfg.Poll.NetworkStatus = duration(2 * time.Second)
-	cfg.Poll.Usage = duration(5 * time.Second)
-	cfg.Poll.Account = duration(30 * time.Second)
-	cfg.Poll.MaxBackoff = duration(30 * time.Second)
-	cfg.Pool.EjectBase = duration(10 * time.Second)
-	cfg.Pool.EjectMax = duration(time.Minute)
-	cfg.Pool.RotateInterval = duration(10 * time.Second)
+	cfg.Poll.IPList = 15 * time.Second
+	cfg.Poll.NetworkStatus = 2 * time.Second
+	cfg.Poll.Usage = 5 * time.Second
+	cfg.Poll.Account = 30 * time.Second
+	cfg.Poll.MaxBackoff = 30 * time.Second
+	cfg.Pool.EjectBase = 10 * time.Second
+	cfg.Pool.EjectMax = time.Minute
+	cfg.Pool.RotateInterval = 10 * time.Second
 	cfg.State.Dir = stateDir
 	cfg.Admin.Address = adminAddr
 	cfg.Listener = defaultListeners()
@@ -190,7 +218,7 @@ func demoConfig(w *demoWorld, httpAddr, socksAddr, adminAddr, stateDir string) c
 	for i := range cfg.Listener {
 		cfg.Listener[i].Upstream = cfg.Listener[i].Protocol
 		// The demo origin lives on loopback, which listeners refuse by default.
-		cfg.Listener[i].AllowDestinations = []string{"127.0.0.0/8"}
+		cfg.Listener[i].AllowDestinations = []forward.Network{forward.MustParseNetwork("127.0.0.0/8")}
 	}
 	return cfg
 }
@@ -259,16 +287,26 @@ func cmdDemo(ctx context.Context, args []string, io stdio) int {
 		fwg.Add(1)
 		go func() { defer fwg.Done(); w.faults(runCtx, *faultEvery, logger) }()
 	}
+	faults := "No faults are injected (-faults 0)."
+	if *faultEvery > 0 {
+		faults = fmt.Sprintf("Every %s a fault is injected and healed; watch the pool heal.", *faultEvery)
+	}
 	self := selfCommand()
 	origin := "http://" + w.origin + "/"
 	fmt.Fprintf(io.out, `
-proxyd demo is running: a simulated provider (%s) with an fpr service (%d: 3 HTTP and
-3 SOCKS5 upstream proxies) and a ppr service (%d: 2 sticky sessions), a demo origin, and
-the daemon on %s (HTTP), %s (SOCKS5) and %s (admin).
-Every %s a fault is injected and healed; watch the pool heal. Ctrl-C stops everything.
+Status page: http://%s/
+
+proxyd demo is running:
+  simulated provider  %s
+  fpr service %d     3 HTTP and 3 SOCKS5 upstream proxies
+  ppr service %d     2 sticky sessions, each on a gateway with an HTTP and a SOCKS5 port
+  proxyd              HTTP %s, SOCKS5 %s, admin %s
+The demo origin's answer names the upstream that carried the request, and the exit
+IP of a ppr session.
+%s Ctrl-C stops everything.
 
 Try, in another terminal:
-  curl -x http://%s %s
+  curl -x http://%s %s       # run it a few times: the upstream moves
   curl --socks5-hostname %s %s
   curl -x http://session-demo1:x@%s %s       # sticky: the same upstream every time
   %s pool -admin %s
@@ -276,7 +314,7 @@ Try, in another terminal:
   curl -s http://%s/readyz
   PROXYD_API_TOKEN=%s %s api -base-url %s services
   PROXYD_API_TOKEN=%s %s api -base-url %s sticky list %d
-`, w.simURL, demoFPR, demoPPR, *httpAddr, *socksAddr, *adminAddr, *faultEvery,
+`, *adminAddr, w.simURL, demoFPR, demoPPR, *httpAddr, *socksAddr, *adminAddr, faults,
 		*httpAddr, origin, *socksAddr, origin, *httpAddr, origin,
 		self, *adminAddr, *adminAddr, *adminAddr,
 		providersim.DefaultToken, self, w.simURL, providersim.DefaultToken, self, w.simURL, demoPPR)
