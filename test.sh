@@ -9,25 +9,38 @@ FUZZTIME=${FUZZTIME:-4s}
 export GOFLAGS=${GOFLAGS:--buildvcs=false}
 
 # Tools: curl (client), squid (HTTP upstream), danted (SOCKS5 upstream),
-# promtool (metrics and alert rules). Debian package names beside them.
+# promtool (metrics and alert rules), openssl, chromium (status page tests).
+# Debian package names beside them.
 need=()
 command -v curl >/dev/null 2>&1 || need+=(curl)
 [ -x /usr/sbin/squid ] || need+=(squid)
 [ -x /usr/sbin/danted ] || need+=(dante-server)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
 	echo "test.sh: installing ${need[*]}"
 	sudo=""
 	[ "$(id -u)" -eq 0 ] || sudo="sudo"
+	# The packages' own services (squid, danted, prometheus) are not ours
+	# to run: the tests start their own instances on loopback. Debian's
+	# policy-rc.d keeps a package install from starting its service; it is
+	# in place only for the install, and only if the machine had none.
+	policy=/usr/sbin/policy-rc.d
+	own_policy=""
+	if [ ! -e "$policy" ] && { [ -z "$sudo" ] || command -v sudo >/dev/null 2>&1; }; then
+		printf '#!/bin/sh\n# proxyd test.sh: no service starts during this install\nexit 101\n' | $sudo tee "$policy" >/dev/null &&
+			$sudo chmod 755 "$policy" && own_policy=1
+	fi
+	installed=""
 	if { [ -z "$sudo" ] || command -v sudo >/dev/null 2>&1; } &&
 		$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
 		$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; then
-		# The packages' own services are not ours to run; the tests start
-		# their own instances on loopback.
-		$sudo pkill -x squid 2>/dev/null || true
-		$sudo pkill -x danted 2>/dev/null || true
-		$sudo pkill -x prometheus 2>/dev/null || true
+		installed=1
+	fi
+	if [ -n "$own_policy" ]; then $sudo rm -f "$policy"; fi
+	if [ -n "$installed" ]; then
+		:
 	else
 		echo "test.sh: could not install ${need[*]}" >&2
 		if [ "${CI:-}" = "true" ]; then exit 1; fi
@@ -35,13 +48,17 @@ if [ ${#need[@]} -gt 0 ]; then
 	fi
 fi
 if [ "${CI:-}" = "true" ]; then
-	for t in curl /usr/sbin/squid /usr/sbin/danted promtool; do
+	for t in curl /usr/sbin/squid /usr/sbin/danted promtool openssl chromium; do
 		command -v "$t" >/dev/null 2>&1 || { echo "test.sh: CI=true and $t is missing" >&2; exit 1; }
 	done
 fi
 
 echo "== go vet"
 go vet ./...
+
+echo "== cross builds (darwin, windows)"
+GOOS=darwin go build ./...
+GOOS=windows go build ./...
 
 echo "== go test -race"
 go test -race -count=1 -timeout 12m ./...

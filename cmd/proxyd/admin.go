@@ -2,79 +2,88 @@ package main
 
 import (
 	"context"
-	"crypto/subtle"
-	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
-	"slices"
-	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
-	"github.com/proxyd/proxyd/pool"
+	"github.com/proxyd/proxyd/agent"
 )
 
-// adminServer serves /metrics, /healthz, /readyz and /pool (DESIGN.md §5).
+// adminServer is the admin HTTP server: the status page, /events, /pool,
+// /metrics, /healthz and /readyz (see adminHandler for the access rules).
 type adminServer struct {
-	srv  *http.Server
-	ln   net.Listener
-	done chan struct{}
+	addr    string                       // the configured address
+	srv     *http.Server                 // nil when the admin server is off
+	ln      net.Listener                 // bound by bindAdmin, served by serve
+	handler atomic.Pointer[http.Handler] // swapped by a reload that changes only the token
+	done    chan struct{}
 }
 
-func startAdmin(c adminConfig, d *daemon) (*adminServer, error) {
+// bindAdmin binds the admin address of c ("" = off) and builds its server
+// without serving yet: the step of a start or reload that can fail, taken
+// before anything is committed.
+func bindAdmin(c adminConfig, d *daemon) (*adminServer, error) {
+	a := &adminServer{addr: c.Address, done: make(chan struct{})}
 	if c.Address == "" {
-		return &adminServer{}, nil
+		close(a.done)
+		return a, nil
 	}
-	token := c.Token
-	if c.TokenFile != "" {
-		t, err := readSecretFile(c.TokenFile)
-		if err != nil {
-			return nil, fmt.Errorf("admin token: %w", err)
-		}
-		token = t
-	}
-	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", d.metrics.Handler())
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		if ok, why := d.readiness(); !ok {
-			http.Error(w, why, http.StatusServiceUnavailable)
-			return
-		}
-		fmt.Fprintln(w, "ready")
-	})
-	mux.HandleFunc("GET /pool", d.servePool)
-	var h http.Handler = mux
-	if token != "" {
-		h = requireBearer(token, mux)
+	h, err := d.adminAccess(c)
+	if err != nil {
+		return nil, err
 	}
 	ln, err := net.Listen("tcp", c.Address)
 	if err != nil {
-		return nil, fmt.Errorf("admin: %w", err)
+		return nil, fmt.Errorf("admin.address: %w", err)
 	}
-	a := &adminServer{
-		srv: &http.Server{
-			Handler:           h,
-			ReadHeaderTimeout: 10 * time.Second,
-			ReadTimeout:       30 * time.Second,
-			WriteTimeout:      30 * time.Second,
-		},
-		ln:   ln,
-		done: make(chan struct{}),
+	a.handler.Store(&h)
+	a.ln = ln
+	a.srv = &http.Server{
+		Handler:           a,
+		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       30 * time.Second,
+		WriteTimeout:      30 * time.Second,
 	}
-	go func() {
-		defer close(a.done)
-		if err := a.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			d.log.Error("admin server stopped", "err", err)
-		}
-	}()
 	return a, nil
 }
 
+// adminAccess is the admin handler for c's token (read from token_file
+// again each time, so a reload rotates it).
+func (d *daemon) adminAccess(c adminConfig) (http.Handler, error) {
+	token := c.Token
+	if c.TokenFile != "" {
+		t, err := agent.ReadTokenFile(c.TokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("admin.token_file: %w", err)
+		}
+		token = t
+	}
+	return d.adminHandler(token, c.Address), nil
+}
+
+func (a *adminServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	(*a.handler.Load()).ServeHTTP(w, r)
+}
+
+// serve starts serving a bound admin server.
+func (a *adminServer) serve(log *slog.Logger) {
+	if a.srv == nil {
+		return
+	}
+	go func() {
+		defer close(a.done)
+		if err := a.srv.Serve(a.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("admin server stopped", "err", err)
+		}
+	}()
+}
+
+// close stops the server: in-flight answers get 2 s to finish.
 func (a *adminServer) close() {
 	if a == nil || a.srv == nil {
 		return
@@ -86,16 +95,11 @@ func (a *adminServer) close() {
 	<-a.done
 }
 
-func requireBearer(token string, next http.Handler) http.Handler {
-	want := []byte("Bearer " + token)
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/healthz" && subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), want) != 1 {
-			w.Header().Set("WWW-Authenticate", `Bearer realm="proxyd"`)
-			http.Error(w, "unauthorized", http.StatusUnauthorized)
-			return
-		}
-		next.ServeHTTP(w, r)
-	})
+// abandon releases a bound server that never served (a reload rolled back).
+func (a *adminServer) abandon() {
+	if a != nil && a.ln != nil {
+		a.ln.Close()
+	}
 }
 
 // readiness: every listener accepting and with at least one usable upstream.
@@ -118,47 +122,4 @@ func (d *daemon) readiness() (bool, string) {
 		return false, strings.Join(why, "; ")
 	}
 	return true, ""
-}
-
-// servePool answers GET /pool?service=ID&state=STATE&listener=NAME.
-func (d *daemon) servePool(w http.ResponseWriter, r *http.Request) {
-	ex := d.pool.Explain()
-	q := r.URL.Query()
-	if s := q.Get("service"); s != "" {
-		id, err := strconv.Atoi(s)
-		if err != nil {
-			http.Error(w, "service must be a number", http.StatusBadRequest)
-			return
-		}
-		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return u.Service != id })
-	}
-	if s := q.Get("state"); s != "" {
-		if !slices.Contains(pool.States(), pool.State(s)) {
-			http.Error(w, "unknown state", http.StatusBadRequest)
-			return
-		}
-		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return string(u.State) != s })
-	}
-	if name := q.Get("listener"); name != "" {
-		d.mu.Lock()
-		lc, ok := d.cfg.listenerNamed(name)
-		d.mu.Unlock()
-		if !ok {
-			http.Error(w, "unknown listener", http.StatusNotFound)
-			return
-		}
-		slice := listenerSlices([]listenerConfig{lc})[0]
-		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return !slice.Covers(u.Service, u.Kind, u.Protocol) })
-		ex.Listeners = slices.DeleteFunc(ex.Listeners, func(l pool.ListenerExplanation) bool { return l.Name != name })
-	}
-	if ex.Upstreams == nil {
-		ex.Upstreams = []pool.UpstreamExplanation{}
-	}
-	if ex.Listeners == nil {
-		ex.Listeners = []pool.ListenerExplanation{}
-	}
-	w.Header().Set("Content-Type", "application/json")
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	enc.Encode(ex)
 }

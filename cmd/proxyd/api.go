@@ -73,13 +73,12 @@ func cmdAPI(ctx context.Context, args []string, io stdio) int {
 		api.BaseURL = *baseURL
 	}
 	if *timeout > 0 {
-		api.Timeout = duration(*timeout)
+		api.Timeout = *timeout
 	}
-	var token, login, password string
 	var err error
 	if *cfgPath != "" {
-		token, login, password, _, err = api.credential(io.getenv)
-	} else if token = strings.TrimSpace(io.getenv(agent.TokenEnv)); token == "" {
+		api, _, err = api.ResolveCredential(io.getenv)
+	} else if api.Token = strings.TrimSpace(io.getenv(agent.TokenEnv)); api.Token == "" {
 		// A quick call without a file: only the environment counts.
 		err = errors.New("set PROXYD_API_TOKEN or use -config")
 	}
@@ -87,8 +86,8 @@ func cmdAPI(ctx context.Context, args []string, io stdio) int {
 		fmt.Fprintf(io.err, "proxyd api: %v\n", err)
 		return 1
 	}
-	client, err := agent.New(agent.Config{BaseURL: api.BaseURL, Token: token, Login: login, Password: password,
-		Timeout: api.Timeout.D(), Version: version})
+	api.Version = version
+	client, err := agent.New(api)
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd api: %v\n", err)
 		return 1

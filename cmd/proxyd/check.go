@@ -10,10 +10,11 @@ func cmdCheck(args []string, io stdio) int {
 	fs := flag.NewFlagSet("check", flag.ContinueOnError)
 	fs.SetOutput(io.err)
 	path := fs.String("config", defaultConfigPath, "config file")
+	printCfg := fs.Bool("print", false, "print the effective configuration as TOML (secrets hidden)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	cfg, err := loadValidConfig(*path)
+	cfg, err := loadConfig(*path)
 	var errs configErrors
 	switch {
 	case errors.As(err, &errs):
@@ -26,10 +27,14 @@ func cmdCheck(args []string, io stdio) int {
 		fmt.Fprintf(io.err, "proxyd check: %v\n", err)
 		return 1
 	}
-	if _, _, _, _, err := cfg.API.credential(io.getenv); err != nil {
+	if _, _, err := cfg.API.ResolveCredential(io.getenv); err != nil {
 		// Not fatal here: under systemd the credential may come from
 		// $CREDENTIALS_DIRECTORY or the unit's environment only.
 		fmt.Fprintf(io.err, "%s: warning: %v\n", *path, err)
+	}
+	if *printCfg {
+		fmt.Fprint(io.out, printConfig(cfg))
+		return 0
 	}
 	fmt.Fprintf(io.out, "%s: ok (%d listeners)\n", *path, len(cfg.Listener))
 	return 0

@@ -8,9 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"reflect"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -27,19 +25,20 @@ import (
 // Close are what end-to-end tests drive.
 type daemon struct {
 	log     *slog.Logger
-	level   *slog.LevelVar
+	logs    *logControl // level and format, set on reload; nil: fixed
 	getenv  func(string) string
 	notify  *notifier
 	reg     *prometheus.Registry
 	metrics *metrics.Metrics
-	client  *agent.Client
+	client  *agent.Client // the API client of the running [api]; replaced by a reload
+	api     agent.Config  // its [api], with the credential resolved
+	credSrc string        // where its credential came from (agent's source names)
 	poller  *agent.Poller
 	pool    *pool.Pool
 	events  *pool.EventLog // GET /events: what happened to upstreams, services, listeners and reloads
 
 	applyMu   sync.Mutex          // serializes apply
 	status    map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
-	quota     map[int]bool        // quota by service, as last known (guarded by applyMu)
 	lastSaved string              // stateKey of the state file's content (guarded by applyMu)
 	mu        sync.Mutex
 	cfg       config
@@ -65,7 +64,7 @@ type runningListener struct {
 type daemonOptions struct {
 	getenv func(string) string
 	logger *slog.Logger
-	level  *slog.LevelVar // the logger's level, set on reload; may be nil
+	logs   *logControl // the logger's level and format, set on reload; may be nil
 }
 
 func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
@@ -74,19 +73,18 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 	}
 	logger := opts.logger
 	if logger == nil {
-		logger, opts.level = newLogger(cfg.Log, os.Stderr)
+		logger, opts.logs = newLogger(cfg.Log, os.Stderr)
 	}
 	d := &daemon{
 		events:    pool.NewEventLog(pool.DefaultEventLogSize, logger, nil),
 		log:       logger,
-		level:     opts.level,
+		logs:      opts.logs,
 		getenv:    opts.getenv,
 		notify:    newNotifier(opts.getenv),
 		reg:       prometheus.NewRegistry(),
 		cfg:       cfg,
 		listeners: map[string]*runningListener{},
 		status:    map[int]savedStatus{},
-		quota:     map[int]bool{},
 		ready:     make(chan struct{}),
 		stop:      make(chan struct{}),
 		stopped:   make(chan struct{}),
@@ -100,27 +98,15 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 	if err != nil {
 		return nil, fmt.Errorf("registering metrics: %w", err)
 	}
-	token, login, password, source, err := cfg.API.credential(opts.getenv)
+	d.client, d.api, d.credSrc, err = d.newClient(cfg.API)
 	if err != nil {
 		return nil, err
 	}
-	d.client, err = agent.New(agent.Config{
-		BaseURL:  cfg.API.BaseURL,
-		Token:    token,
-		Login:    login,
-		Password: password,
-		Timeout:  cfg.API.Timeout.D(),
-		Version:  version,
-		Observe:  d.metrics.APIRequest,
-		Logger:   logger,
-	})
-	if err != nil {
-		return nil, fmt.Errorf("configuring the API client: %w", err)
-	}
-	logger.Debug("API credential", "source", source)
+	logger.Debug("API credential", "source", d.credSrc)
 
-	d.pool, err = pool.New(poolConfig(cfg.Pool), pool.Options{
+	d.pool, err = pool.New(cfg.Pool, pool.Options{
 		Logger: logger,
+		Events: d.events,
 		Prober: tcpProber{},
 		Hooks: pool.Hooks{
 			Failure: func(service int, r pool.Result) { d.metrics.UpstreamFailure(service, r.String()) },
@@ -137,11 +123,45 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 	d.pool.SetListeners(listenerSlices(cfg.Listener))
 	d.metrics.SetPoolSource(d.pool.Explain)
 
-	d.poller, err = agent.NewPoller(d.client, pollConfig(cfg), d.apply, logger)
+	d.poller, err = agent.NewPoller(d.client, d.pollConfig(cfg), d.apply, logger)
 	if err != nil {
 		return nil, fmt.Errorf("configuring the poll loops: %w", err)
 	}
 	return d, nil
+}
+
+// newClient is the API client of an [api] section, with the credential
+// resolved now (token_file and password_file are read again each time).
+func (d *daemon) newClient(api agent.Config) (*agent.Client, agent.Config, string, error) {
+	c, source, err := api.ResolveCredential(d.getenv)
+	if err != nil {
+		return nil, c, "", sectionProblems("api", err)
+	}
+	c.Version = version
+	c.Observe = d.metrics.APIRequest
+	c.Logger = d.log
+	client, err := agent.New(c)
+	if err != nil {
+		return nil, c, "", fmt.Errorf("configuring the API client: %w", err)
+	}
+	return client, c, source, nil
+}
+
+// agentEvent records what the agent did on the account by itself (list
+// updates) in the event log and proxyd_list_updates_total.
+func (d *daemon) agentEvent(e agent.Event) {
+	d.events.Record(pool.Event{Kind: pool.EventKind(e.Kind), Service: e.Service, Reason: cmp.Or(e.Reason, e.Result)})
+	if e.Result != "" {
+		d.metrics.ListUpdate(e.Service, e.Result)
+	}
+}
+
+// pollConfig is the poll loops' configuration with the daemon's callbacks.
+func (d *daemon) pollConfig(c config) agent.PollConfig {
+	pc := pollConfig(c)
+	pc.Manage = c.Manage
+	pc.OnEvent = d.agentEvent
+	return pc
 }
 
 type rotatorFunc func(ctx context.Context, service int, server, session string) (string, error)
@@ -174,12 +194,13 @@ func (d *daemon) Run(ctx context.Context) error {
 			return err
 		}
 	}
-	admin, err := startAdmin(cfg.Admin, d)
+	admin, err := bindAdmin(cfg.Admin, d)
 	if err != nil {
 		d.mu.Unlock()
 		d.closeListeners()
 		return err
 	}
+	admin.serve(d.log)
 	d.admin = admin
 	d.running = true
 	d.mu.Unlock()
@@ -194,12 +215,12 @@ func (d *daemon) Run(ctx context.Context) error {
 	if err := d.notify.ready(); err != nil {
 		d.log.Warn("systemd notify failed", "err", err)
 	}
-	d.log.Info("proxyd serving", "listeners", len(cfg.Listener), "admin", cfg.Admin.Address, "upstreams", len(d.pool.Upstreams()))
+	d.log.Info("proxyd serving", "listeners", len(cfg.Listener), "admin", d.adminAddr(), "upstreams", len(d.pool.Upstreams()))
 
 	<-ctx.Done()
 	d.notify.stopping()
 	d.mu.Lock()
-	timeout := d.cfg.Shutdown.DrainTimeout.D() // a reload may have changed it
+	timeout := d.cfg.Shutdown.DrainTimeout // a reload may have changed it
 	d.mu.Unlock()
 	d.log.Info("stopping: draining connections", "timeout", timeout)
 	drain, cancel := context.WithTimeout(context.Background(), timeout)
@@ -207,7 +228,10 @@ func (d *daemon) Run(ctx context.Context) error {
 	cancel()
 	stopBG()
 	d.wg.Wait()
-	d.admin.close()
+	d.mu.Lock()
+	admin = d.admin // a reload may have moved it
+	d.mu.Unlock()
+	admin.close()
 	d.log.Info("stopped")
 	return nil
 }
@@ -242,11 +266,7 @@ func (d *daemon) adminAddr() string {
 // startListener serves one listener on acc, or on a fresh socket bound to
 // its address when acc is nil; d.mu is held.
 func (d *daemon) startListener(lc listenerConfig, acc *acceptor) error {
-	fc, err := forwardConfig(lc)
-	if err != nil {
-		return err
-	}
-	l, err := forward.NewListener(fc, d.pool, d.metrics.Listener(lc.Name), d.log.With("listener", lc.Name))
+	l, err := forward.NewListener(lc.Config, d.pool, d.metrics.Listener(lc.Name), d.log.With("listener", lc.Name))
 	if err != nil {
 		return fmt.Errorf("listener %s: %w", lc.Name, err)
 	}
@@ -311,163 +331,6 @@ func (d *daemon) closeListeners() {
 	}
 }
 
-// Reload swaps in a new config: listeners added, removed or changed without
-// touching the ones that stay the same. On error the old config stays.
-func (d *daemon) Reload(next config) error {
-	return d.reload(func() (config, error) { return next, nil })
-}
-
-// ReloadFile is SIGHUP: Reload of the config file at path. A file that
-// cannot be read or parsed is refused like an invalid config.
-func (d *daemon) ReloadFile(path string) error {
-	return d.reload(func() (config, error) { return loadConfig(path) })
-}
-
-// reload swaps in the config that load returns, between systemd's
-// RELOADING=1 and READY=1.
-func (d *daemon) reload(load func() (config, error)) error {
-	d.mu.Lock()
-	running := d.running
-	d.mu.Unlock()
-	if !running {
-		return errors.New("not reloading: proxyd is starting or stopping")
-	}
-	d.notify.reloading()
-	defer d.notify.ready()
-	next, err := load()
-	if err == nil {
-		if errs := wireProblems(&next); len(errs) > 0 {
-			err = errs
-		}
-	}
-	if err != nil {
-		d.metrics.ConfigReloaded(false)
-		return err
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if !d.running {
-		return errors.New("not reloading: proxyd is starting or stopping")
-	}
-	if !reflect.DeepEqual(next.API, d.cfg.API) || !reflect.DeepEqual(next.Poll, d.cfg.Poll) ||
-		!reflect.DeepEqual(next.Pool, d.cfg.Pool) || next.State != d.cfg.State || next.Admin != d.cfg.Admin {
-		d.log.Warn("reload: only [[listener]], [log] level and [shutdown] changes take effect without a restart; other sections keep their running values")
-	}
-	// Listeners whose settings are unchanged keep running. The others get
-	// a new incarnation: on the socket already bound to their address if
-	// there is one (so its backlog is kept), else on a new socket. Only
-	// when all are in place do the old incarnations drain.
-	old := d.listeners
-	byAddr := map[string]*runningListener{}
-	for _, rl := range old {
-		byAddr[rl.cfg.Address] = rl
-		byAddr[rl.acc.ln.Addr().String()] = rl // a ":0" address, as bound
-	}
-	type handover struct {
-		acc   *acceptor
-		owner *runningListener
-	}
-	var fresh []*runningListener // incarnations started by this reload
-	var took []handover          // sockets handed from an old incarnation
-	d.listeners = map[string]*runningListener{}
-	undo := func(err error) error {
-		d.listeners = old
-		for _, h := range took {
-			d.reattach(h.owner) // give the socket back to its owner
-		}
-		for _, rl := range fresh {
-			if !slices.ContainsFunc(took, func(h handover) bool { return h.acc == rl.acc }) {
-				rl.acc.close()
-			}
-			d.retire(rl) // it may have taken connections already: let them finish
-		}
-		d.metrics.ConfigReloaded(false)
-		return err
-	}
-	var started []string
-	for _, lc := range next.Listener {
-		if rl, ok := old[lc.Name]; ok && reflect.DeepEqual(rl.cfg, lc) {
-			d.listeners[lc.Name] = rl
-			continue
-		}
-		var acc *acceptor
-		if owner, ok := byAddr[lc.Address]; ok && !strings.HasSuffix(lc.Address, ":0") {
-			if kept, ok := next.listenerNamed(owner.cfg.Name); !ok || !reflect.DeepEqual(kept, owner.cfg) {
-				acc = owner.acc
-				took = append(took, handover{acc: acc, owner: owner})
-			}
-		}
-		if err := d.startListener(lc, acc); err != nil {
-			return undo(err)
-		}
-		fresh = append(fresh, d.listeners[lc.Name])
-		started = append(started, lc.Name)
-	}
-	var retire []*runningListener
-	for name, rl := range old {
-		if d.listeners[name] != rl {
-			retire = append(retire, rl)
-		}
-	}
-	for _, lc := range next.Listener {
-		d.metrics.AddListener(lc.Name)
-	}
-	d.pool.SetListeners(listenerSlices(next.Listener))
-	d.poller.SetProtocols(pollConfig(next).Protocols)
-	d.cfg.Listener = next.Listener
-	if next.Log.Format != d.cfg.Log.Format {
-		d.log.Warn("reload: a new [log] format takes effect at the next restart")
-	}
-	if d.level != nil {
-		d.level.Set(logLevel(next.Log.Level))
-	}
-	d.cfg.Log.Level = next.Log.Level
-	d.cfg.Shutdown = next.Shutdown
-	for _, rl := range retire {
-		handed := slices.ContainsFunc(took, func(h handover) bool { return h.owner == rl })
-		if !handed {
-			rl.acc.close() // its address is no longer served
-		}
-		d.retire(rl)
-	}
-	d.metrics.ConfigReloaded(true)
-	d.log.Info("config reloaded", "listeners", len(next.Listener), "started", started, "retired", len(retire))
-	return nil
-}
-
-// reattach serves rl's config again on its own socket after a reload that
-// took the socket was undone; d.mu is held.
-func (d *daemon) reattach(rl *runningListener) {
-	if err := d.startListener(rl.cfg, rl.acc); err != nil {
-		d.log.Error("restoring a listener after a failed reload", "listener", rl.cfg.Name, "err", err)
-		return
-	}
-	d.retire(rl) // its accept loop ended when the socket was taken
-}
-
-// retire lets an incarnation's open connections finish within the drain
-// timeout, in the background; d.mu is held.
-func (d *daemon) retire(rl *runningListener) {
-	drain := d.cfg.Shutdown.DrainTimeout.D()
-	d.wg.Add(1)
-	go func() {
-		defer d.wg.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), drain)
-		defer cancel()
-		rl.l.Shutdown(ctx)
-		rl.l.Close()
-	}()
-}
-
-func (c *config) listenerNamed(name string) (listenerConfig, bool) {
-	for _, l := range c.Listener {
-		if l.Name == name {
-			return l, true
-		}
-	}
-	return listenerConfig{}, false
-}
-
 // watchdog pings systemd at half of WATCHDOG_USEC while the accept loops and
 // the poll loops are alive.
 func (d *daemon) watchdog(ctx context.Context) {
@@ -477,13 +340,15 @@ func (d *daemon) watchdog(ctx context.Context) {
 	}
 	t := time.NewTicker(every)
 	defer t.Stop()
-	maxAge := d.cfg.API.Timeout.D() + 10*time.Second
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
+		d.mu.Lock()
+		maxAge := d.cfg.API.Timeout + 10*time.Second // a reload may change it
+		d.mu.Unlock()
 		if alive, why := d.alive(maxAge); alive {
 			d.notify.watchdog()
 		} else {
@@ -569,19 +434,19 @@ func (d *daemon) apply(agent.Snapshot) {
 	// speaks for the service again.
 	for id := range dropped {
 		delete(d.status, id)
-		delete(d.quota, id)
+		d.pool.SetUsage(id, 0, 0)
 	}
-	var account metrics.Account
-	account.Credit, account.Known = s.Credit, s.CreditKnown
+	account := metrics.Account{
+		Credit: s.Credit, Known: s.CreditKnown,
+		UnpaidInvoices: s.UnpaidInvoices, UnpaidUSD: s.UnpaidUSD,
+	}
 	for _, st := range s.Services {
 		if st.StatusKnown {
 			d.pool.SetProviderStatus(st.ID, st.Errored, st.Inactive)
 			d.status[st.ID] = savedStatus{Errored: st.Errored, Inactive: st.Inactive}
 		}
 		if st.HasUsage {
-			reached := st.Limit > 0 && st.Rate >= st.Limit
-			d.pool.SetQuota(st.ID, reached)
-			d.quota[st.ID] = reached
+			d.pool.SetUsage(st.ID, st.Rate, st.Limit) // the pool weighs it against quota_headroom
 			d.metrics.SetUsage(st.ID, st.Rate, st.Limit)
 		}
 		account.Services = append(account.Services, metrics.ServiceInfo{
@@ -629,11 +494,12 @@ func (d *daemon) logPoolChange(prev, next []pool.Upstream) {
 // when they changed; d.applyMu is held.
 func (d *daemon) saveState() {
 	ups := d.pool.Upstreams()
-	st := &savedState{Version: stateVersion, Status: d.status, Quota: d.quota}
+	st := &savedState{Version: stateVersion, Status: d.status, Usage: d.pool.Usage()}
 	for _, u := range ups {
 		st.Upstreams = append(st.Upstreams, savedUpstream{
 			Service: u.Service, Kind: string(u.Kind), Protocol: string(u.Protocol), Address: u.Address,
 			Username: u.Username, Password: u.Password, Server: u.Server, Session: u.Session, ExitIP: u.ExitIP,
+			Match: u.Match,
 		})
 	}
 	slices.SortFunc(st.Upstreams, func(a, b savedUpstream) int {
@@ -645,11 +511,18 @@ func (d *daemon) saveState() {
 		return
 	}
 	st.Saved = time.Now().UTC()
-	if err := writeState(d.cfg.State.Dir, st); err != nil {
+	if err := writeState(d.stateDir(), st); err != nil {
 		d.log.Warn("saving pool state", "err", err)
 		return
 	}
 	d.lastSaved = key
+}
+
+// stateDir is the running [state] dir; a reload may change it.
+func (d *daemon) stateDir() string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.cfg.State.Dir
 }
 
 // stateKey is a state's content without its time: what decides whether a
@@ -662,13 +535,13 @@ func stateKey(st *savedState) string {
 
 // loadState serves the last known pool until the API answers.
 func (d *daemon) loadState() {
-	st, err := readState(d.cfg.State.Dir)
+	st, err := readState(d.stateDir())
 	if err != nil {
 		d.log.Warn("ignoring saved pool state", "err", err)
 		return
 	}
 	if st == nil {
-		d.log.Info("no saved pool state; waiting for the provider API", "dir", d.cfg.State.Dir)
+		d.log.Info("no saved pool state; waiting for the provider API", "dir", d.stateDir())
 		return
 	}
 	ups := make([]pool.Upstream, 0, len(st.Upstreams))
@@ -680,9 +553,8 @@ func (d *daemon) loadState() {
 		d.pool.SetProviderStatus(id, s.Errored, s.Inactive)
 		d.status[id] = s
 	}
-	for id, q := range st.Quota {
-		d.pool.SetQuota(id, q)
-		d.quota[id] = q
+	for id, u := range st.Usage {
+		d.pool.SetUsage(id, u.Rate, u.Limit)
 	}
 	d.lastSaved = stateKey(st)
 	d.poller.Seed(seedSizes(st))

@@ -1,22 +1,13 @@
 package main
 
 import (
+	"encoding"
 	"fmt"
 	"reflect"
 	"sort"
 	"strings"
 	"time"
 )
-
-// duration is a config duration: always a string such as "30s". A bare
-// number is an error, never nanoseconds.
-type duration time.Duration
-
-func (d duration) D() time.Duration { return time.Duration(d) }
-
-func (d duration) String() string { return time.Duration(d).String() }
-
-var durationType = reflect.TypeOf(duration(0))
 
 // keyError is one problem of a config file, with the full path of its key
 // (listener[1].address).
@@ -32,17 +23,28 @@ func (e keyError) Error() string {
 	return e.Key + ": " + e.Msg
 }
 
-// decoder assigns a generic TOML tree to a struct by its `toml` tags and
-// collects every problem with its full key path: unknown keys, wrong types,
-// bare numbers where a duration is expected. BurntSushi/toml's own struct
-// decoding stops at the first problem and its Undecoded() loses array
-// indexes, which `check` needs.
+// decoder assigns a generic TOML tree onto a struct that already holds the
+// defaults, by the fields' `toml` tags, and collects every problem with its
+// full key path: unknown keys, wrong types, bare numbers where a duration is
+// expected. A key that is absent leaves its field as it was, so a key that
+// is present keeps the value the user wrote, zero included.
+//
+// BurntSushi/toml decodes structs itself, but it stops at the first problem,
+// reads a bare number as nanoseconds for a time.Duration, and its
+// Undecoded() loses array indexes, which `check` needs to name
+// listener[1].adress. So the library parses the text into a tree, and this
+// walks the tree.
 type decoder struct {
 	errs []keyError
-	// newElem returns the default value of a fresh element of a slice of
-	// structs, so that [[listener]] elements get defaults one by one.
+	// newElem returns the starting value of a fresh element of a slice of
+	// structs, so that each [[listener]] element gets the defaults on its own.
 	newElem func(t reflect.Type) reflect.Value
 }
+
+var (
+	durationType        = reflect.TypeFor[time.Duration]()
+	textUnmarshalerType = reflect.TypeFor[encoding.TextUnmarshaler]()
+)
 
 func (d *decoder) fail(path, format string, args ...any) {
 	d.errs = append(d.errs, keyError{Key: path, Msg: fmt.Sprintf(format, args...)})
@@ -55,34 +57,54 @@ func join(path, key string) string {
 	return path + "." + key
 }
 
-// fieldsByTag maps toml keys to struct field indexes.
-func fieldsByTag(t reflect.Type) map[string]int {
-	m := make(map[string]int, t.NumField())
-	for i := 0; i < t.NumField(); i++ {
+// tomlField is one key of a struct as the file writes it.
+type tomlField struct {
+	key    string
+	index  []int // for reflect.Value.FieldByIndex: embedded structs are flattened
+	secret bool  // `toml:"token,secret"`: never printed
+}
+
+// tomlFields lists the keys of a struct type in field order. An embedded
+// struct without a tag contributes its own keys, so that a section can be
+// one package's Config plus the keys the daemon adds (listenerConfig).
+func tomlFields(t reflect.Type) []tomlField {
+	var out []tomlField
+	for i := range t.NumField() {
 		f := t.Field(i)
-		tag := strings.Split(f.Tag.Get("toml"), ",")[0]
-		if tag == "" || tag == "-" || !f.IsExported() {
+		tag := f.Tag.Get("toml")
+		if f.Anonymous && tag == "" && f.Type.Kind() == reflect.Struct {
+			for _, sub := range tomlFields(f.Type) {
+				sub.index = append([]int{i}, sub.index...)
+				out = append(out, sub)
+			}
 			continue
 		}
-		m[tag] = i
+		name, opts, _ := strings.Cut(tag, ",")
+		if name == "" || name == "-" || !f.IsExported() {
+			continue
+		}
+		out = append(out, tomlField{key: name, index: []int{i}, secret: opts == "secret"})
 	}
-	return m
+	return out
 }
 
 func (d *decoder) decodeStruct(path string, tree map[string]any, v reflect.Value) {
-	fields := fieldsByTag(v.Type())
+	fields := map[string]tomlField{}
+	for _, f := range tomlFields(v.Type()) {
+		fields[f.key] = f
+	}
 	keys := make([]string, 0, len(tree))
 	for k := range tree {
 		keys = append(keys, k)
 	}
 	sort.Strings(keys)
 	for _, k := range keys {
-		i, ok := fields[k]
+		f, ok := fields[k]
 		if !ok {
 			d.fail(join(path, k), "unknown key")
 			continue
 		}
-		d.decodeValue(join(path, k), tree[k], v.Field(i))
+		d.decodeValue(join(path, k), tree[k], v.FieldByIndex(f.index))
 	}
 }
 
@@ -107,7 +129,8 @@ func tomlType(x any) string {
 }
 
 func (d *decoder) decodeValue(path string, x any, v reflect.Value) {
-	if v.Type() == durationType {
+	switch {
+	case v.Type() == durationType:
 		s, ok := x.(string)
 		if !ok {
 			d.fail(path, "a duration must be a string such as \"30s\", got %s", tomlType(x))
@@ -119,6 +142,16 @@ func (d *decoder) decodeValue(path string, x any, v reflect.Value) {
 			return
 		}
 		v.SetInt(int64(dur))
+		return
+	case reflect.PointerTo(v.Type()).Implements(textUnmarshalerType):
+		s, ok := x.(string)
+		if !ok {
+			d.fail(path, "must be a string, got %s", tomlType(x))
+			return
+		}
+		if err := v.Addr().Interface().(encoding.TextUnmarshaler).UnmarshalText([]byte(s)); err != nil {
+			d.fail(path, "%v", err)
+		}
 		return
 	}
 	switch v.Kind() {
@@ -136,10 +169,14 @@ func (d *decoder) decodeValue(path string, x any, v reflect.Value) {
 			return
 		}
 		v.SetBool(b)
-	case reflect.Int, reflect.Int64:
+	case reflect.Int, reflect.Int64, reflect.Int32:
 		n, ok := x.(int64)
 		if !ok {
 			d.fail(path, "must be a whole number, got %s", tomlType(x))
+			return
+		}
+		if v.OverflowInt(n) {
+			d.fail(path, "%d is out of range", n)
 			return
 		}
 		v.SetInt(n)

@@ -25,6 +25,7 @@ import (
 
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/forward"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -43,10 +44,10 @@ type e2e struct {
 // quietPolls makes the background loops poll once at start and then wait
 // an hour, so that tests drive the polls with PollOnce.
 func quietPolls(cfg *config) {
-	cfg.Poll.IPList = duration(time.Hour)
-	cfg.Poll.NetworkStatus = duration(time.Hour)
-	cfg.Poll.Usage = duration(time.Hour)
-	cfg.Poll.Account = duration(time.Hour)
+	cfg.Poll.IPList = time.Hour
+	cfg.Poll.NetworkStatus = time.Hour
+	cfg.Poll.Usage = time.Hour
+	cfg.Poll.Account = time.Hour
 }
 
 func newWorld(t *testing.T) *demoWorld {
@@ -67,9 +68,9 @@ func startDaemon(t *testing.T, w *demoWorld, stateDir string, mutate func(*confi
 		mutate(&cfg)
 	}
 	logs := &lockedWriter{w: &bytes.Buffer{}}
-	logger, level := newLogger(cfg.Log, logs)
+	logger, logCtl := newLogger(cfg.Log, logs)
 	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
-	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: logger, level: level})
+	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: logger, logs: logCtl})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -281,8 +282,8 @@ func TestDaemonErroredIPGetsNoConnections(t *testing.T) {
 func TestDaemonAPIDownKeepsServingAndBacksOff(t *testing.T) {
 	w := newWorld(t)
 	e := startDaemon(t, w, t.TempDir(), func(c *config) {
-		c.Poll.NetworkStatus = duration(time.Second)
-		c.Poll.MaxBackoff = duration(8 * time.Second)
+		c.Poll.NetworkStatus = time.Second
+		c.Poll.MaxBackoff = 8 * time.Second
 		c.Poll.Jitter = 0.01
 	})
 	e.waitReady()
@@ -429,8 +430,8 @@ func TestDaemonStickySessionRotated(t *testing.T) {
 		c.Listener = append(c.Listener, defaultListener())
 		l := &c.Listener[2]
 		l.Name, l.Protocol, l.Upstream, l.Address, l.Kind = "ppr", "http", "http", "127.0.0.1:0", "ppr"
-		l.AllowDestinations = []string{"127.0.0.0/8"}
-		c.Pool.RotateWait = duration(2 * time.Second)
+		l.AllowDestinations = []forward.Network{forward.MustParseNetwork("127.0.0.0/8")}
+		c.Pool.RotateWait = 2 * time.Second
 	})
 	e.waitReady()
 	via := e.mustGet("ppr", "k1")
@@ -627,7 +628,7 @@ func TestDaemonReloadListeners(t *testing.T) {
 	e := startDaemon(t, w, t.TempDir(), func(c *config) {
 		extra := defaultListener()
 		extra.Name, extra.Protocol, extra.Upstream, extra.Address = "extra", "http", "http", "127.0.0.1:0"
-		extra.AllowDestinations = []string{"127.0.0.0/8"}
+		extra.AllowDestinations = []forward.Network{forward.MustParseNetwork("127.0.0.0/8")}
 		c.Listener = append(c.Listener, extra)
 	})
 	e.waitReady()
@@ -822,7 +823,7 @@ func TestDaemonReloadChangedListenerUnderLoad(t *testing.T) {
 		next := cfg
 		next.Listener = append([]listenerConfig{}, cfg.Listener...)
 		next.Listener[0].Address = addr
-		next.Listener[0].IdleTimeout = duration(time.Duration(60+i) * time.Second)
+		next.Listener[0].IdleTimeout = time.Duration(60+i) * time.Second
 		if i%5 == 4 {
 			// A reload that fails after taking the socket: socks onto a taken address.
 			next.Listener[1].Address = w.simURL[len("http://"):]

@@ -18,13 +18,13 @@ func cmdRun(ctx context.Context, args []string, io stdio) int {
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	cfg, err := loadValidConfig(*path)
+	cfg, err := loadConfig(*path)
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd: %s:\n%v\n", *path, err)
 		return 1
 	}
-	logger, level := newLogger(cfg.Log, io.err)
-	d, err := newDaemon(cfg, daemonOptions{getenv: io.getenv, logger: logger, level: level})
+	logger, logs := newLogger(cfg.Log, io.err)
+	d, err := newDaemon(cfg, daemonOptions{getenv: io.getenv, logger: logger, logs: logs})
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd: %v\n", err)
 		return 1

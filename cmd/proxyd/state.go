@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/proxyd/proxyd/pool"
 )
 
 // stateFileName is the last known pool inside [state] dir. It holds upstream
@@ -22,7 +24,7 @@ type savedState struct {
 	Saved     time.Time           `json:"saved"`
 	Upstreams []savedUpstream     `json:"upstreams"`
 	Status    map[int]savedStatus `json:"status,omitempty"`
-	Quota     map[int]bool        `json:"quota,omitempty"`
+	Usage     map[int]pool.ServiceUsage `json:"usage,omitempty"` // ppr services' rate and limit: the quota state follows from them
 }
 
 // savedUpstream has the fields of agent.UpstreamSpec, in their JSON names, so
@@ -37,6 +39,7 @@ type savedUpstream struct {
 	Server   string `json:"server,omitempty"`
 	Session  string `json:"session,omitempty"`
 	ExitIP   string `json:"exit_ip,omitempty"`
+	Match    string `json:"match,omitempty"`
 }
 
 type savedStatus struct {
