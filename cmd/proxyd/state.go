@@ -20,10 +20,10 @@ const stateVersion = 1
 // savedState is what survives restarts and API outages: the upstream set and
 // the provider's last word on its health.
 type savedState struct {
-	Version   int                 `json:"version"`
-	Saved     time.Time           `json:"saved"`
-	Upstreams []savedUpstream     `json:"upstreams"`
-	Status    map[int]savedStatus `json:"status,omitempty"`
+	Version   int                       `json:"version"`
+	Saved     time.Time                 `json:"saved"`
+	Upstreams []savedUpstream           `json:"upstreams"`
+	Status    map[int]savedStatus       `json:"status,omitempty"`
 	Usage     map[int]pool.ServiceUsage `json:"usage,omitempty"` // ppr services' rate and limit: the quota state follows from them
 }
 
