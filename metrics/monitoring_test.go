@@ -569,11 +569,19 @@ func TestDashboard(t *testing.T) {
 func TestDashboardLint(t *testing.T) {
 	raw, _ := readDashboard(t)
 	isCounter := func(name string) bool { return strings.HasSuffix(name, "_total") }
-	// Edits of the JSON: panels[1] is a timeseries with one rate query.
-	target := func(m map[string]any) map[string]any {
-		return m["panels"].([]any)[1].(map[string]any)["targets"].([]any)[0].(map[string]any)
+	// Edits of the JSON: the first panel that is not a row, its first query.
+	firstPanel := func(m map[string]any) map[string]any {
+		for _, p := range m["panels"].([]any) {
+			if p.(map[string]any)["type"] != "row" {
+				return p.(map[string]any)
+			}
+		}
+		t.Fatal("no panel")
+		return nil
 	}
-	firstPanel := func(m map[string]any) map[string]any { return m["panels"].([]any)[1].(map[string]any) }
+	target := func(m map[string]any) map[string]any {
+		return firstPanel(m)["targets"].([]any)[0].(map[string]any)
+	}
 	variable := func(m map[string]any, name string) map[string]any {
 		for _, v := range m["templating"].(map[string]any)["list"].([]any) {
 			if v.(map[string]any)["name"] == name {
