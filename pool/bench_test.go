@@ -3,6 +3,8 @@ package pool
 import (
 	"context"
 	"fmt"
+	"io"
+	"log/slog"
 	"math/rand/v2"
 	"runtime"
 	"strconv"
@@ -218,5 +220,16 @@ func BenchmarkExplain(b *testing.B) {
 				_ = p.Explain()
 			}
 		})
+	}
+}
+
+// BenchmarkEventRecord is one event into a ring that logs it through a slog
+// text handler, as an ejection on the connection path records it.
+func BenchmarkEventRecord(b *testing.B) {
+	l := NewEventLog(0, slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	e := Event{Kind: EventEjected, Upstream: "1/http/10.1.0.0:8080", Service: 1, Reason: "dial_refused"}
+	b.ReportAllocs()
+	for b.Loop() {
+		l.Record(e)
 	}
 }

@@ -140,8 +140,9 @@ func TestAppendIDMatchesID(t *testing.T) {
 	}
 }
 
-// FailureReasons is derived from Result: it must stay the five classes of
-// DESIGN.md §7, the label values of proxyd_upstream_failures_total.
+// FailureReasons is derived from Result: it must stay the five failure
+// classes that count against an upstream (a contract: they are the label
+// values of proxyd_upstream_failures_total and the reasons in /pool).
 func TestFailureReasons(t *testing.T) {
 	want := []string{"dial_refused", "dial_timeout", "handshake_timeout", "auth_rejected", "proxy_error"}
 	if got := FailureReasons(); !slices.Equal(got, want) {
