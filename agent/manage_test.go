@@ -1,0 +1,255 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/agent/providersim"
+)
+
+// fakeClock is a settable clock shared by the poller and the simulator.
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *fakeClock) Now() time.Time          { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+func (c *fakeClock) Advance(d time.Duration) { c.mu.Lock(); c.t = c.t.Add(d); c.mu.Unlock() }
+
+// eventLog collects the poller's events.
+type eventLog struct {
+	mu     sync.Mutex
+	events []Event
+}
+
+func (l *eventLog) add(e Event) { l.mu.Lock(); l.events = append(l.events, e); l.mu.Unlock() }
+
+// kinds lists "kind/result" of every event so far.
+func (l *eventLog) kinds() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, e := range l.events {
+		out = append(out, e.Kind+"/"+e.Result)
+	}
+	return out
+}
+
+// newManagedPoller serves fpr service 101 (10.0.0.1-3) over HTTP with
+// list updates at share 0.5 held for 10m, the simulator allowing one update
+// per interval, both on one fake clock.
+func newManagedPoller(t *testing.T, interval time.Duration) (*Poller, *providersim.Sim, *fakeClock, *eventLog) {
+	t.Helper()
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: interval})
+	srv := httptest.NewServer(sim)
+	t.Cleanup(srv.Close)
+	c, err := New(clientConfig(srv.URL, providersim.DefaultToken, 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := &eventLog{}
+	cfg := pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols = []int{101}, []string{"http"}
+		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
+		c.OnEvent = events.add
+	})
+	p, err := NewPoller(c, cfg, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.now = clock.Now
+	pollAll(t, p)
+	return p, sim, clock, events
+}
+
+func statusRound(t *testing.T, p *Poller) {
+	t.Helper()
+	if err := p.PollOnce(context.Background(), LoopStatus); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The request goes out once the share has held for update_list_after, not
+// before, and the new list is in the snapshot when the round returns.
+func TestManageRequestsListWhenShareHeld(t *testing.T) {
+	p, sim, clock, events := newManagedPoller(t, time.Minute)
+	statusRound(t, p)
+	if got := events.kinds(); len(got) != 0 {
+		t.Fatalf("events with no errored IPs: %v", got)
+	}
+	// One of three is below the share: nothing, however long.
+	sim.MarkErrored(101, "10.0.0.1")
+	statusRound(t, p)
+	clock.Advance(time.Hour)
+	statusRound(t, p)
+	if got := events.kinds(); len(got) != 0 {
+		t.Fatalf("events below the share: %v", got)
+	}
+	// Two of three (errored and inactive together) reach it now.
+	sim.MarkInactive(101, "10.0.0.2")
+	statusRound(t, p)
+	clock.Advance(10*time.Minute - time.Second)
+	statusRound(t, p)
+	if got := events.kinds(); len(got) != 0 {
+		t.Fatalf("request before update_list_after: %v", got)
+	}
+	fresh := []providersim.Entry{{Host: "10.0.9.1", Port: 8080, Login: "u", Password: "p"}, {Host: "10.0.9.2", Port: 8080, Login: "u", Password: "p"}, {Host: "10.0.9.3", Port: 8080, Login: "u", Password: "p"}}
+	sim.SetEntries(101, "http-auth", fresh)
+	listsBefore := sim.Requests(RouteIPList)
+	clock.Advance(time.Second)
+	statusRound(t, p)
+	if got, want := events.kinds(), []string{EventListUpdateRequested + "/", EventListUpdated + "/" + ResultOK}; !slices.Equal(got, want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+	if sim.Requests(RouteIPList) != listsBefore+1 {
+		t.Errorf("the new list was fetched %d times, want once", sim.Requests(RouteIPList)-listsBefore)
+	}
+	st := serviceByID(p.Snapshot(), 101)
+	if got := st.Lists["http-auth"]; len(got) != 3 || got[0].Host != "10.0.9.1" {
+		t.Errorf("list after the update: %+v", got)
+	}
+	if e := events.events[1]; e.Service != 101 || e.Reason == "" {
+		t.Errorf("event %+v", e)
+	}
+	// The new IPs are not errored: the share is gone, no further request.
+	clock.Advance(time.Hour)
+	statusRound(t, p)
+	if got := events.kinds(); len(got) != 2 {
+		t.Errorf("events after the update: %v", got)
+	}
+}
+
+// A 429 defers the next request until the time it names (and never more
+// than once per update_list_after); errors are reported too.
+func TestManageHonoursRateLimit(t *testing.T) {
+	p, sim, clock, events := newManagedPoller(t, time.Hour)
+	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+	statusRound(t, p) // the share is reached at 10:00
+	clock.Advance(10 * time.Minute)
+	statusRound(t, p) // 10:10: request, accepted; the simulator allows the next at 11:10
+	want := []string{EventListUpdateRequested + "/", EventListUpdated + "/" + ResultOK}
+	if got := events.kinds(); !slices.Equal(got, want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+	clock.Advance(5 * time.Minute)
+	statusRound(t, p) // 10:15: within update_list_after of the request
+	if got := events.kinds(); !slices.Equal(got, want) {
+		t.Fatalf("request within update_list_after: %v", got)
+	}
+	clock.Advance(5 * time.Minute)
+	statusRound(t, p) // 10:20: requested, 429 until 11:10
+	want = append(want, EventListUpdateRequested+"/", EventListUpdateFailed+"/"+ResultRateLimited)
+	if got := events.kinds(); !slices.Equal(got, want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+	for range 4 { // 10:30 .. 11:00: deferred by the 429, though update_list_after passed
+		clock.Advance(10 * time.Minute)
+		statusRound(t, p)
+	}
+	clock.Advance(9*time.Minute + 59*time.Second)
+	statusRound(t, p) // 11:09:59
+	if got := events.kinds(); !slices.Equal(got, want) {
+		t.Fatalf("request before the 429's time: %v", got)
+	}
+	clock.Advance(time.Second)
+	statusRound(t, p) // 11:10
+	want = append(want, EventListUpdateRequested+"/", EventListUpdated+"/"+ResultOK)
+	if got := events.kinds(); !slices.Equal(got, want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+
+	// A failed request is reported and waits update_list_after.
+	clock.Advance(2 * time.Hour)
+	sim.FailNext(1, http.StatusInternalServerError, `{"error":"boom"}`)
+	p.manageLists(context.Background()) // what ends a status round: the PUT is the next request
+	want = append(want, EventListUpdateRequested+"/", EventListUpdateFailed+"/"+ResultError)
+	if got := events.kinds(); !slices.Equal(got, want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+	clock.Advance(10*time.Minute - time.Second)
+	statusRound(t, p) // within update_list_after of the failed request
+	if got := events.kinds(); !slices.Equal(got, want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+	clock.Advance(time.Second)
+	statusRound(t, p)
+	want = append(want, EventListUpdateRequested+"/", EventListUpdated+"/"+ResultOK)
+	if got := events.kinds(); !slices.Equal(got, want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+}
+
+// The wait a 429 imposes is at least 1s and at most 1h, whatever time it
+// names, read as UTC.
+func TestManageRateLimitBounds(t *testing.T) {
+	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		name string
+		next string // the 429's time; "" for none
+		want time.Time
+	}{
+		{"named time", "2026-11-21 10:30:00", now.Add(30 * time.Minute)},
+		{"in the past", "2026-11-21 09:00:00", now.Add(time.Second)},
+		{"none", "", now.Add(time.Second)},
+		{"far away", "2026-11-22 10:00:00", now.Add(time.Hour)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(http.StatusTooManyRequests)
+				msg := "Too Many Attempts (updateList)."
+				if tc.next != "" {
+					msg += " Next update possible: " + tc.next
+				}
+				fmt.Fprintf(w, `{"error":%q}`, msg)
+			}))
+			defer srv.Close()
+			c, err := New(clientConfig(srv.URL, "t", 5*time.Second))
+			if err != nil {
+				t.Fatal(err)
+			}
+			events := &eventLog{}
+			p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+				c.Manage = ManageConfig{UpdateListShare: 1, UpdateListAfter: time.Minute}
+				c.OnEvent = events.add
+			}), nil, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.now = func() time.Time { return now }
+			p.manage[1] = &manageState{}
+			p.requestList(context.Background(), c, 0, 1)
+			if got := p.manage[1].nextAllowed; !got.Equal(tc.want) {
+				t.Errorf("next allowed %v, want %v", got, tc.want)
+			}
+			if got := events.kinds(); !slices.Equal(got, []string{EventListUpdateRequested + "/", EventListUpdateFailed + "/" + ResultRateLimited}) {
+				t.Errorf("events %v", got)
+			}
+		})
+	}
+}
+
+// Manage off (share 0) never requests anything.
+func TestManageOff(t *testing.T) {
+	p, sim, clock, events := newManagedPoller(t, time.Minute)
+	_, cfg, _ := p.current()
+	cfg.Manage.UpdateListShare = 0
+	c, _, _ := p.current()
+	if err := p.Reconfigure(c, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+	for range 5 {
+		statusRound(t, p)
+		clock.Advance(time.Hour)
+	}
+	if got := events.kinds(); len(got) != 0 {
+		t.Errorf("events with [manage] off: %v", got)
+	}
+}
