@@ -209,6 +209,11 @@ func TestPanicEvents(t *testing.T) {
 	if l := listenerOf(t, p, "one"); l.Panic {
 		t.Errorf("listener one still in panic in /pool: %+v", l)
 	}
+	// A listener that goes away in panic mode ends it.
+	fail(p, b, 3)
+	wantEvents(t, events, EventPanic, Event{Kind: EventPanic, Reason: "one"}, Event{Kind: EventPanic, Reason: "one"})
+	p.SetListeners([]ListenerSlice{{Name: "other", Services: []int{2}}})
+	wantEvents(t, events, EventPanicOver, Event{Kind: EventPanicOver, Reason: "one"}, Event{Kind: EventPanicOver, Reason: "one"})
 }
 
 // TestEventLogBounded: the ring keeps its size whatever was recorded, and

@@ -253,6 +253,13 @@ func (p *Pool) publish(s *snapshot) {
 	for _, sl := range s.slices {
 		p.checkPanic(cfg, s, sl)
 	}
+	for _, o := range old.slices {
+		if o != old.all && o.panic.Load() {
+			if n := s.slice(o.Name); n == nil || n == s.all {
+				p.record(EventPanicOver, "", 0, o.Name) // the listener is gone
+			}
+		}
+	}
 }
 
 func (sl *slice) count() {
