@@ -301,10 +301,10 @@ func TestStatusPageChromium(t *testing.T) {
 	if tr := rows[erroredID]; erroredID == "" || tr == nil || attr(tr, "data-state") != string(pool.ProviderError) {
 		t.Errorf("the errored upstream %q is not shown as provider_error", erroredID)
 	}
-	if tr := first(doc, func(n *html.Node) bool {
+	ejected := first(doc, func(n *html.Node) bool {
 		return hasClass(n, "upstream") && attr(n, "data-state") == string(pool.Ejected)
-	}); tr == nil ||
-		first(tr, func(n *html.Node) bool { return hasClass(n, "countdown") }) == nil {
+	})
+	if first(ejected, func(n *html.Node) bool { return hasClass(n, "countdown") }) == nil {
 		t.Error("no ejected upstream with its ejection countdown")
 	}
 
