@@ -1,0 +1,161 @@
+package agent
+
+import (
+	"context"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/agent/providersim"
+)
+
+func simServer(t *testing.T) (*providersim.Sim, *Client) {
+	t.Helper()
+	sim := providersim.New(providersim.Config{})
+	srv := httptest.NewServer(sim)
+	t.Cleanup(srv.Close)
+	c, err := New(clientConfig(srv.URL, providersim.DefaultToken, 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sim, c
+}
+
+func gatewayEntries(n int) []providersim.Entry {
+	var out []providersim.Entry
+	for i := range n {
+		out = append(out, providersim.Entry{Host: "192.0.2.21", Port: 8000 + i, Login: "u", Password: "p"})
+	}
+	return out
+}
+
+// Reconfigure with a new provider: the running loops (hour-long intervals,
+// so only the reload can wake them) move to the new API at once, the new
+// provider's far smaller list is swapped in without confirmation, a
+// service it does not serve leaves, and a rotation in flight finishes
+// against the API it started with.
+func TestPollerReconfigureProviderChange(t *testing.T) {
+	simA, clientA := simServer(t)
+	simB, clientB := simServer(t)
+	simA.SetEntries(104, "ppr-http", gatewayEntries(6))
+	simB.SetEntries(104, "ppr-http", gatewayEntries(2)) // far smaller: would need confirmation
+	simB.SetServiceStatus(101, "Suspended")
+
+	hour := pollConfig(func(c *PollConfig) {
+		c.IPList, c.NetworkStatus, c.Usage, c.Account = time.Hour, time.Hour, time.Hour, time.Hour
+		c.LookupHost = simA.LookupHost
+	})
+	var mu sync.Mutex
+	var last Snapshot
+	p, err := NewPoller(clientA, hour, func(s Snapshot) { mu.Lock(); last = s; mu.Unlock() }, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap := func() Snapshot { mu.Lock(); defer mu.Unlock(); return last }
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); p.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	waitUntil(t, 5*time.Second, "the lists of provider A", func() bool {
+		st := serviceByID(snap(), 104)
+		return st != nil && len(st.Lists["ppr-http"]) == 6 && serviceByID(snap(), 101) != nil
+	})
+
+	// A rotation that is in flight when the reload comes.
+	release := make(chan struct{})
+	started := make(chan struct{})
+	simA.RotateHook(func(int, string, string) (int, string) {
+		close(started)
+		<-release
+		return 0, ""
+	})
+	rotated := make(chan error, 1)
+	go func() {
+		_, err := p.Rotate(ctx, 102, providersim.StickyGateway, "s1")
+		rotated <- err
+	}()
+	<-started
+
+	if err := p.Reconfigure(clientB, hour, true); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, 5*time.Second, "the lists of provider B", func() bool {
+		s := snap()
+		st := serviceByID(s, 104)
+		return st != nil && len(st.Lists["ppr-http"]) == 2 && serviceByID(s, 101) == nil
+	})
+	close(release)
+	if err := <-rotated; err != nil {
+		t.Fatalf("rotation in flight: %v", err)
+	}
+	if simA.Requests(RouteStickyRotate) != 1 || simB.Requests(RouteStickyRotate) != 0 {
+		t.Errorf("rotate requests: A %d, B %d; the rotation must finish against A",
+			simA.Requests(RouteStickyRotate), simB.Requests(RouteStickyRotate))
+	}
+	// Every loop moved to B at once.
+	for _, route := range []string{RouteServices, RouteIPList, RouteNetworkErrors, RouteRate} {
+		if simB.Requests(route) == 0 {
+			waitUntil(t, 5*time.Second, "a request to B on "+route, func() bool { return simB.Requests(route) > 0 })
+		}
+	}
+	// Another round of every loop reaches B only.
+	polledA := func() int {
+		return simA.Requests(RouteServices) + simA.Requests(RouteIPList) + simA.Requests(RouteNetworkErrors) + simA.Requests(RouteRate)
+	}
+	before := polledA()
+	var rounds [numLoops]int64
+	for l := Loop(0); l < numLoops; l++ {
+		rounds[l] = p.Rounds(l)
+		p.Kick(l)
+	}
+	waitUntil(t, 5*time.Second, "one more round of every loop", func() bool {
+		for l := Loop(0); l < numLoops; l++ {
+			if p.Rounds(l) <= rounds[l] {
+				return false
+			}
+		}
+		return true
+	})
+	if after := polledA(); after != before {
+		t.Errorf("provider A still polled after the reload: %d requests, then %d", before, after)
+	}
+}
+
+// Without a provider change a far smaller list still needs confirmation,
+// and new intervals apply at once.
+func TestPollerReconfigureSameProvider(t *testing.T) {
+	sim, client := simServer(t)
+	sim.SetEntries(104, "ppr-http", gatewayEntries(6))
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{104}; c.Protocols = []string{"http"} })
+	p, err := NewPoller(client, cfg, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pollAll(t, p)
+	sim.SetEntries(104, "ppr-http", gatewayEntries(2))
+	cfg.IPList = 2 * time.Second
+	if err := p.Reconfigure(client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	if got := p.interval(LoopLists); got != 2*time.Second {
+		t.Errorf("lists interval %v after the reload, want 2s", got)
+	}
+	pollAll(t, p)
+	if got := len(serviceByID(p.Snapshot(), 104).Lists["ppr-http"]); got != 6 {
+		t.Errorf("far smaller list swapped in without confirmation: %d entries", got)
+	}
+	pollAll(t, p)
+	if got := len(serviceByID(p.Snapshot(), 104).Lists["ppr-http"]); got != 2 {
+		t.Errorf("confirmed list not swapped in: %d entries", got)
+	}
+	bad := cfg
+	bad.Account = 0
+	if err := p.Reconfigure(client, bad, false); err == nil {
+		t.Error("Reconfigure accepted account = 0s")
+	}
+	if got := p.interval(LoopAccount); got != cfg.Account {
+		t.Errorf("a refused reload changed the account interval to %v", got)
+	}
+}
