@@ -74,10 +74,13 @@ type statusUpstream struct {
 }
 
 type statusAccount struct {
-	Known       bool // the service list was fetched at least once
-	CreditKnown bool
-	Credit      string
-	Services    []statusService
+	Known         bool // the service list was fetched at least once
+	CreditKnown   bool
+	Credit        string
+	InvoicesKnown bool
+	Unpaid        int    // invoices Unpaid or in Collections: how services get suspended
+	UnpaidUSD     string // their sum
+	Services      []statusService
 }
 
 type statusService struct {
@@ -199,7 +202,10 @@ func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Eve
 	}
 	slices.SortFunc(p.Groups, func(a, b statusGroup) int { return a.Service - b.Service })
 
-	p.Account = statusAccount{Known: snap.AccountKnown, CreditKnown: snap.CreditKnown, Credit: money(snap.Credit)}
+	p.Account = statusAccount{
+		Known: snap.AccountKnown, CreditKnown: snap.CreditKnown, Credit: money(snap.Credit),
+		InvoicesKnown: snap.InvoicesKnown, Unpaid: snap.UnpaidInvoices, UnpaidUSD: money(snap.UnpaidUSD),
+	}
 	served := map[int]bool{}
 	for _, st := range snap.Services {
 		served[st.ID] = true

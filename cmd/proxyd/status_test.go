@@ -56,7 +56,7 @@ func TestStatusPageEscapes(t *testing.T) {
 		},
 	}
 	snap := agent.Snapshot{
-		AccountKnown: true, CreditKnown: true, Credit: 12.5,
+		AccountKnown: true, CreditKnown: true, Credit: 12.5, InvoicesKnown: true, UnpaidInvoices: 2, UnpaidUSD: 30,
 		Services: []agent.ServiceState{
 			{ID: 101, Record: agent.Service{ProductName: "Static <b>US</b>", ProductType: "fpr", Status: "Active", Password: canaryServicePassword}},
 			{ID: 102, Record: agent.Service{ProductName: hostileProduct, ProductType: "ppr", Status: "Active"}, HasUsage: true, Rate: 256, Limit: 1024},
@@ -77,7 +77,7 @@ func TestStatusPageEscapes(t *testing.T) {
 	}
 	for _, want := range []string{
 		"&lt;img src=x onerror=alert(1)&gt;", "&lt;script&gt;alert(2)&lt;/script&gt;", "&#34;quoted&#34; &amp; &lt;i&gt;",
-		`<meta http-equiv="refresh" content="5">`, "in 42s", `id="usage-102"`, "256 of 1024 (25%)", "$12.50", "PANIC",
+		`<meta http-equiv="refresh" content="5">`, "in 42s", `id="usage-102"`, "256 of 1024 (25%)", "$12.50", "PANIC", "2 unpaid invoices ($30.00)",
 		`class="state state-ejected"`, "(not served)",
 	} {
 		if !strings.Contains(out, want) {
