@@ -1,12 +1,21 @@
-// Package agent is proxyd's client of the provider API (PROVIDER_API.md):
-// one typed method per endpoint, the raw Call they are built on, the error
-// type and sentinels of every documented condition, tolerant decoding of the
-// provider's PHP-flavoured JSON, and the parsers of IP lists and sticky
-// session lists that have no documented layout.
+// Package agent is proxyd's management agent for the proxy-reselling
+// provider's HTTP API: a typed client (one method per endpoint, the raw Call
+// they are built on, the error type and sentinels of every documented
+// condition, tolerant decoding of the provider's PHP-flavoured JSON, the
+// parsers of IP lists and sticky session lists that have no documented
+// layout), and the Poller whose loops keep a Snapshot of the served
+// services: their IP lists, sticky sessions, network status, usage and the
+// account's credit and invoices. ServiceState.Upstreams turns a service into
+// dialable upstreams; the Poller can also request fresh IP lists on its own
+// ([manage]).
 //
-// The package produces plain data. It never imports pool; turning IP lists
-// and sessions into upstreams, and the poll loops, live elsewhere. The API
-// credential never appears in an error string or a log line.
+// Config, PollConfig and ManageConfig are the [api], [poll] and [manage]
+// sections of the configuration file.
+//
+// The package produces plain data and never imports pool; the daemon wires
+// the Snapshot into the pool and the pool's rotation requests into
+// Poller.Rotate. The API credential never appears in an error string or a
+// log line.
 package agent
 
 import (
@@ -49,14 +58,14 @@ type Config struct {
 	BaseURL string `toml:"base_url"`
 	// Token is the dashboard API token, sent verbatim as
 	// "Authorization: Basic <Token>". It wins over Login and Password.
-	Token string `toml:"token"`
+	Token string `toml:"token,secret"`
 	// TokenFile names a file holding the token; ResolveCredential reads it
 	// on every call, which is how a token is rotated by a reload.
 	TokenFile string `toml:"token_file"`
 	// Login and Password (or PasswordFile), used when no token is set, are
 	// sent as "Authorization: Basic base64(login:password)".
 	Login        string `toml:"login"`
-	Password     string `toml:"password"`
+	Password     string `toml:"password,secret"`
 	PasswordFile string `toml:"password_file"`
 	// Services are the service IDs to serve; empty means every Active
 	// service of the account. The poller is given them in PollConfig.

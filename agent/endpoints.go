@@ -11,7 +11,7 @@ import (
 	"strings"
 )
 
-// Route templates of the 20 endpoints (PROVIDER_API.md §4), as reported to
+// Route templates of the 20 endpoints of the provider API, as reported to
 // Config.Observe and in errors.
 const (
 	RouteClients         = "/api/clients"

@@ -12,8 +12,8 @@ import (
 	"unicode/utf8"
 )
 
-// Sentinels for every error condition the provider documents (PROVIDER_API.md
-// parts 5 and 7). A *APIError matches them with errors.Is; every 422 answer
+// Sentinels for every error condition the provider documents (its
+// authentication and application errors). A *APIError matches them with errors.Is; every 422 answer
 // also matches ErrUnprocessable.
 var (
 	ErrUnauthenticated          = errors.New("unauthenticated")                              // 401 "Unauthenticated"

@@ -17,7 +17,8 @@ var allSentinels = []error{
 	ErrTooManyAttempts, ErrUnprocessable,
 }
 
-// specErrors is the error table of PROVIDER_API.md parts 5 and 7, with the
+// specErrors is the provider's table of authentication and application
+// errors, with the
 // trailing-space variants the provider sends.
 var specErrors = []struct {
 	name        string

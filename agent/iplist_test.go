@@ -17,7 +17,8 @@ var (
 	eName  = Entry{Host: "gw1.example.net", Port: 9000, Login: "u", Password: "p"}
 )
 
-// ipListLayouts holds every layout of PROVIDER_API.md's notes and issue 2;
+// ipListLayouts holds every layout public client code shows of the
+// provider and its peers;
 // the fuzz seed corpus reuses it.
 var ipListLayouts = []struct {
 	name   string

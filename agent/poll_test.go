@@ -111,7 +111,7 @@ func TestPollerServesActiveServices(t *testing.T) {
 		t.Errorf("credit %v, want %v", s.Credit, sim.Credit())
 	}
 
-	// DESIGN.md §2: fpr http from http-auth with the line's credentials,
+	// fpr http from http-auth with the line's credentials,
 	// fpr socks5 from socks-ip with the service record's.
 	ups := fpr.Upstreams()
 	var http, socks int

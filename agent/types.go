@@ -6,7 +6,7 @@ import (
 	"time"
 )
 
-// Resource types of PROVIDER_API.md §2. Each decodes tolerantly (numbers as
+// Resource types of the provider API. Each decodes tolerantly (numbers as
 // strings, empty dates, unknown fields ignored) through an unexported wire
 // struct; the json tags name the provider's fields for re-encoding.
 
