@@ -139,9 +139,23 @@ func tail(s string, n int) string {
 	return s
 }
 
+// screenshot writes a PNG of the page at 1280x900 to file, making its
+// directory if needed. Chromium exits 0 even when it could not write the
+// file, so its presence is checked.
 func screenshot(t *testing.T, bin, pageURL, file string) error {
 	t.Helper()
-	_, err := chromium(t, bin, "--window-size=1280,900", "--screenshot="+file, pageURL)
+	file, err := filepath.Abs(file)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(file), 0o755); err != nil {
+		return err
+	}
+	os.Remove(file)
+	if _, err := chromium(t, bin, "--window-size=1280,900", "--screenshot="+file, pageURL); err != nil {
+		return err
+	}
+	_, err = os.Stat(file)
 	return err
 }
 
