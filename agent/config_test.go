@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/BurntSushi/toml"
 )
 
 // splitJoined returns the messages errors.Join joined, in order.
@@ -190,5 +192,54 @@ func TestResolveCredential(t *testing.T) {
 	if !FixedSource(SourceEnv) || !FixedSource(SourceCredentialsDir) || FixedSource(SourceTokenFile) ||
 		FixedSource(SourceToken) || FixedSource(SourceLogin) {
 		t.Error("FixedSource: only the environment and systemd credentials are fixed")
+	}
+}
+
+// The sections decode from TOML onto their defaults: a present key keeps
+// its value (an explicit zero included), an absent one its default, and
+// the fields without a key are never touched by the file.
+func TestSectionsDecodeFromTOML(t *testing.T) {
+	var file struct {
+		API    Config       `toml:"api"`
+		Poll   PollConfig   `toml:"poll"`
+		Manage ManageConfig `toml:"manage"`
+	}
+	file.API, file.Poll, file.Manage = DefaultConfig(), DefaultPollConfig(), DefaultManageConfig()
+	md, err := toml.Decode(`
+[api]
+token_file = "/run/token"
+services = [101, 104]
+timeout = "30s"
+[poll]
+ip_list = "5m"
+jitter = 0.0
+[manage]
+update_list_share = 0.5
+`, &file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u := md.Undecoded(); len(u) != 0 {
+		t.Fatalf("undecoded keys %v", u)
+	}
+	a := file.API
+	if a.BaseURL != DefaultConfig().BaseURL || a.TokenFile != "/run/token" || !slices.Equal(a.Services, []int{101, 104}) ||
+		a.Timeout != 30*time.Second || a.Version != DefaultVersion {
+		t.Errorf("[api] = %+v", a)
+	}
+	p := file.Poll
+	if p.IPList != 5*time.Minute || p.Jitter != 0 || p.Account != 15*time.Minute || len(p.Protocols) != 2 {
+		t.Errorf("[poll] = %+v", p)
+	}
+	if m := file.Manage; m.UpdateListShare != 0.5 || m.UpdateListAfter != 10*time.Minute {
+		t.Errorf("[manage] = %+v", m)
+	}
+	if err := errors.Join(a.Validate(), p.Validate(), file.Manage.Validate()); err != nil {
+		t.Error(err)
+	}
+	// Keys that are not in a section are unknown to the file.
+	md, _ = toml.Decode("[poll]\nprotocols = [\"http\"]\n[api]\nversion = \"x\"\n", &file)
+	if len(md.Undecoded()) != 2 || file.API.Version != DefaultVersion {
+		t.Errorf("fields without a key decoded from the file: undecoded %v, version %q", md.Undecoded(), file.API.Version)
 	}
 }

@@ -90,11 +90,7 @@ func (c PollConfig) Validate() error {
 	if c.Jitter < 0 || c.Jitter > 0.5 || c.Jitter != c.Jitter {
 		errs = append(errs, fmt.Errorf("jitter: must be within 0–0.5, got %g", c.Jitter))
 	}
-	for i, id := range c.Services {
-		if id <= 0 {
-			errs = append(errs, fmt.Errorf("services: element %d: service IDs are positive, got %d", i, id))
-		}
-	}
+	// Services come from the [api] section, whose Validate checks them.
 	for _, p := range c.Protocols {
 		if p != "http" && p != "socks5" {
 			errs = append(errs, fmt.Errorf("unknown upstream protocol %q", p))
