@@ -62,9 +62,6 @@ func StartProxy(protocol, addr, name, user, pass string) (*Proxy, error) {
 	if err := p.listen(addr); err != nil {
 		return nil, err
 	}
-	if a, ok := p.ln.Addr().(*net.TCPAddr); ok && !a.IP.IsUnspecified() {
-		p.source = a.IP
-	}
 	return p, nil
 }
 
@@ -76,6 +73,12 @@ func (p *Proxy) listen(addr string) error {
 	p.mu.Lock()
 	p.ln, p.addr, p.down = ln, ln.Addr().String(), false
 	p.mu.Unlock()
+	// Set before the first connection is served, and only while no
+	// connection is (StartProxy, or Up after Down has waited for them).
+	p.source = nil
+	if a, ok := ln.Addr().(*net.TCPAddr); ok && !a.IP.IsUnspecified() {
+		p.source = a.IP
+	}
 	p.wg.Add(1)
 	go p.accept(ln)
 	return nil
