@@ -92,6 +92,32 @@ func (s *ServiceState) Upstreams() []UpstreamSpec {
 	return out
 }
 
+// UnservedSessions returns the sticky sessions that got no upstream for any
+// protocol of the service's lists: they serve no connection, so the pool
+// never rotates them, while an errored exit IP of theirs still calls for a
+// rotation.
+func (s *ServiceState) UnservedSessions() []StickySession {
+	if s.Record.ProductType != "ppr" {
+		return nil
+	}
+	var out []StickySession
+	for _, ss := range s.Sticky {
+		served := false
+		for typ, entries := range s.Lists {
+			if proto, ok := listProtocol[typ]; ok {
+				if _, _, m := matchSession(ss, proto, entries, s.Resolved[ss.Server]); m != "" {
+					served = true
+					break
+				}
+			}
+		}
+		if !served {
+			out = append(out, ss)
+		}
+	}
+	return out
+}
+
 // matchSession finds the address of session ss for protocol proto, given
 // that protocol's list entries and the addresses ss.Server resolved to:
 //

@@ -118,6 +118,16 @@ func TestUpstreamsPerProtocol(t *testing.T) {
 		if !slices.Equal(got, tc.want) {
 			t.Errorf("%s:\n got %v\nwant %v", tc.name, got, tc.want)
 		}
+		if u := st.UnservedSessions(); len(u) != 0 {
+			t.Errorf("%s: unserved sessions %v", tc.name, u)
+		}
+	}
+	// A session on no list of a protocol the service fetched is unserved.
+	st := ServiceState{Record: Service{ProductType: "ppr"}, Lists: map[string][]Entry{"ppr-http": byIPHTTP},
+		Sticky:   []StickySession{{Server: gwName, Session: "a", Port: 3081}, {Server: gwName, Session: "b"}},
+		Resolved: map[string][]string{gwName: resolvedGW}}
+	if u := st.UnservedSessions(); len(u) != 1 || u[0].Session != "b" {
+		t.Errorf("unserved sessions %v, want b", u)
 	}
 }
 
