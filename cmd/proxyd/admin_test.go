@@ -7,10 +7,13 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -232,6 +235,22 @@ func TestAdminBasicLoginNonLoopback(t *testing.T) {
 	if got := page.header.Get("Cache-Control"); got != "no-store" {
 		t.Errorf("Cache-Control %q", got)
 	}
+
+	// A real browser, given the token as the password of the URL.
+	t.Run("chromium", func(t *testing.T) {
+		bin := requireChromium(t)
+		u := url.URL{Scheme: "http", User: url.UserPassword("browser", token), Host: addr, Path: "/"}
+		dom, err := chromium(t, bin, "--dump-dom", u.String())
+		if err != nil {
+			t.Fatalf("chromium: %v", err)
+		}
+		if !bytes.Contains(dom, []byte(`id="upstreams"`)) {
+			t.Errorf("Chromium did not get the status page:\n%s", dom)
+		}
+		if bytes.Contains(dom, []byte(token)) {
+			t.Error("the page holds the admin token")
+		}
+	})
 }
 
 // waitReadyAt is waitReady for an admin address that wants a token.
@@ -365,4 +384,137 @@ func TestRenderEventsGolden(t *testing.T) {
 		t.Fatal(err)
 	}
 	golden(t, "events_table", b.String())
+}
+
+// TestEventsOfARealDaemon: what happens to a running daemon's upstreams
+// shows in /events once per upstream ID, with the kind, the ID as /pool
+// names it, the service and the reason, newest first.
+func TestEventsOfARealDaemon(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	type key struct{ kind, upstream string }
+	events := func() (all []eventJSON, count map[key]int) {
+		t.Helper()
+		code, body := e.admin("/events")
+		var ev eventsAnswer
+		if err := json.Unmarshal([]byte(body), &ev); code != 200 || err != nil {
+			t.Fatalf("/events: %d %v %s", code, err, body)
+		}
+		count = map[key]int{}
+		for _, x := range ev.Events {
+			count[key{string(x.Kind), x.Upstream}]++
+		}
+		return ev.Events, count
+	}
+	idOf := func(addr string, proto pool.Protocol) pool.UpstreamExplanation {
+		t.Helper()
+		for _, u := range e.poolState().Upstreams {
+			if u.Address == addr && u.Protocol == proto {
+				return u
+			}
+		}
+		t.Fatalf("no %s upstream %s in /pool", proto, addr)
+		return pool.UpstreamExplanation{}
+	}
+	expectOnce := func(kind pool.EventKind, u pool.UpstreamExplanation, reason string) {
+		t.Helper()
+		all, count := events()
+		if n := count[key{string(kind), u.ID}]; n != 1 {
+			t.Errorf("%d %s events for %s, want 1", n, kind, u.ID)
+		}
+		for _, x := range all {
+			if x.Kind == kind && x.Upstream == u.ID {
+				if x.Service != u.Service || (reason != "" && x.Reason != reason) {
+					t.Errorf("%s event of %s: service %d reason %q, want %d %q", kind, u.ID, x.Service, x.Reason, u.Service, reason)
+				}
+			}
+		}
+	}
+
+	// A provider mark and its clearing.
+	marked := idOf(w.fprHTTP[0].Addr(), pool.HTTP)
+	w.sim.MarkErrored(demoFPR, hostOf(marked.Address))
+	e.pollOnce(agent.LoopStatus)
+	expectOnce(pool.EventProviderError, marked, "")
+	w.sim.ClearStatus(demoFPR)
+	e.pollOnce(agent.LoopStatus)
+	expectOnce(pool.EventProviderOK, marked, "")
+	expectOnce(pool.EventProviderError, marked, "") // still once
+
+	// An ejection.
+	dead := idOf(w.fprSOCKS[1].Addr(), pool.SOCKS5)
+	w.fprSOCKS[1].Down()
+	waitFor(t, "an ejected event", 30*time.Second, func() bool {
+		e.get("socks", "")
+		_, count := events()
+		return count[key{string(pool.EventEjected), dead.ID}] > 0
+	})
+	expectOnce(pool.EventEjected, dead, pool.DialRefused.String())
+
+	// A rotation: a sticky key on a ppr session whose gateway stops.
+	var via string
+	var stickyKey string
+	for i := 0; i < 20 && !strings.HasPrefix(via, "ppr-session-"); i++ {
+		stickyKey = "k" + strconv.Itoa(i)
+		via = e.mustGet("http", stickyKey)
+	}
+	if !strings.HasPrefix(via, "ppr-session-") {
+		t.Fatalf("no sticky key landed on a ppr session (last via %q)", via)
+	}
+	idx := 0
+	if via == "ppr-session-s2" {
+		idx = 1
+	}
+	session := w.sim.Sessions(demoPPR)[idx].Session
+	w.sessions[idx].Down()
+	e.get("http", stickyKey)
+	waitFor(t, "a rotated event", 15*time.Second, func() bool {
+		all, _ := events()
+		for _, x := range all {
+			if x.Kind == pool.EventRotated {
+				return true
+			}
+		}
+		return false
+	})
+	all, count := events()
+	ups := e.poolState().Upstreams
+	for _, x := range all {
+		if x.Kind != pool.EventRotated {
+			continue
+		}
+		if count[key{string(x.Kind), x.Upstream}] != 1 {
+			t.Errorf("%d rotated events for %s, want 1", count[key{string(x.Kind), x.Upstream}], x.Upstream)
+		}
+		found := false
+		for _, u := range ups {
+			if u.ID == x.Upstream && u.Session == session && u.Service == demoPPR && x.Service == demoPPR {
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("rotated event %+v names no upstream of session %s in /pool", x, session)
+		}
+	}
+
+	// A reload.
+	next := e.cfg
+	next.Log.Level = "debug"
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	all, count = events()
+	if count[key{string(pool.EventReload), ""}] != 1 {
+		t.Errorf("%d reload events, want 1", count[key{string(pool.EventReload), ""}])
+	}
+	if len(all) == 0 || all[0].Kind != pool.EventReload || all[0].Service != 0 {
+		t.Errorf("the newest event is %+v, want the reload", all[0])
+	}
+	for i := 1; i < len(all); i++ {
+		if all[i].Time.After(all[i-1].Time) {
+			t.Errorf("event %d (%s %s) is newer than event %d (%s %s): not newest first",
+				i, all[i].Kind, all[i].Time, i-1, all[i-1].Kind, all[i-1].Time)
+		}
+	}
 }
