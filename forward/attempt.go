@@ -4,80 +4,599 @@ import (
 	"context"
 	"errors"
 	"net"
+	"net/http"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/proxyd/proxyd/forward/socks5"
 	"github.com/proxyd/proxyd/pool"
 )
 
-// tunnelFailure is why no tunnel could be opened.
-type tunnelFailure struct {
-	outcome Outcome
-	last    *dialError // the last attempt's failure; nil when none was tried
+// Every client connection (CONNECT, SOCKS5, WebSocket upgrade) and every
+// plain request goes through one attempt loop, run: pick an upstream, make
+// one attempt through it, classify what happened, report it to the pool,
+// release the upstream unless it carries the connection, and after a
+// failure of the upstream itself try the next one, avoiding those tried,
+// within one budget. A plain request that can be sent again is also hedged:
+// after hedge_delay without an answer head it goes through one more
+// upstream as well, and the first head from the destination wins. The
+// paths differ only in how one attempt is made (job.do).
+
+// what is what happened in one attempt, as the attempt saw it. Whose fault
+// it was is classify's answer.
+type what uint8
+
+const (
+	// wAnswered: the tunnel is open, or the answer head came from the destination.
+	wAnswered what = iota
+	// wDialRefused: the TCP connect to the upstream was refused, reset or unreachable.
+	wDialRefused
+	// wDialTimeout: the TCP connect to the upstream did not complete in time.
+	wDialTimeout
+	// wNoAnswer: the upstream's answer did not come in time (handshake),
+	// was malformed, or its connection closed first.
+	wNoAnswer
+	// wProxyAnswer: the upstream answered for itself (status, squid): a
+	// CONNECT answer other than 2xx, or a plain answer it generated (407,
+	// or one that carries X-Squid-Error).
+	wProxyAnswer
+	// wSOCKSReply: a SOCKS5 upstream replied with a failure code (reply).
+	wSOCKSReply
+	// wSOCKSAuth: a SOCKS5 upstream refused proxyd's credentials.
+	wSOCKSAuth
+	// wSOCKSAddress: a SOCKS5 upstream cannot take the destination's address.
+	wSOCKSAddress
+	// wTLS: the upstream carried the connection and the destination's TLS
+	// failed (an "https://" request in absolute form).
+	wTLS
+	// wResponseTimeout: a plain request had no answer head within
+	// response_timeout.
+	wResponseTimeout
+	// wSilent: as wResponseTimeout, and the upstream answered nothing at
+	// all in that time while other upstreams of the listener answered.
+	wSilent
+	// wOutrun: the hedge's head from the destination came within
+	// hedge_delay of the hedge being sent, while this attempt had none.
+	wOutrun
+	// wCalledOff: the other attempt of the request answered first (and
+	// this one was not outrun as above).
+	wCalledOff
+	// wClientGone: the client left, its request body broke or stalled past
+	// idle_timeout, or the listener closed.
+	wClientGone
+	// wStale: a kept upstream connection turned out closed before any byte
+	// of the answer came back.
+	wStale
+	numWhat
+)
+
+// happened is one attempt's account, the input of classify.
+type happened struct {
+	what   what
+	status int    // wProxyAnswer: the upstream's HTTP status
+	squid  string // wProxyAnswer: its X-Squid-Error, if any
+	reply  byte   // wSOCKSReply: the SOCKS5 reply code
 }
 
-// httpStatus is what an HTTP client is told.
-func (f *tunnelFailure) httpStatus() int {
-	if f.last != nil && f.last.result == pool.DestinationError && f.last.status == 504 {
-		return 504
-	}
-	return 502
+// squidDestinationErrors are the X-Squid-Error values that say the
+// destination failed while Squid itself worked: connect, DNS, reading or
+// writing, an empty or broken answer, a timeout.
+var squidDestinationErrors = []string{
+	"ERR_CONNECT_FAIL", "ERR_DNS_FAIL", "ERR_READ_TIMEOUT", "ERR_READ_ERROR",
+	"ERR_WRITE_ERROR", "ERR_ZERO_SIZE_OBJECT", "ERR_LIFETIME_EXP", "ERR_CANNOT_FORWARD",
+	"ERR_GATEWAY_FAILURE", "ERR_SECURE_CONNECT_FAIL", "ERR_INVALID_RESP",
 }
 
-// socksReply is what a SOCKS client is told.
-func (f *tunnelFailure) socksReply() byte {
-	if f.last != nil && f.last.result == pool.DestinationError && f.last.reply != 0 {
-		return f.last.reply
-	}
-	return socks5.ReplyGeneralFailure
+// squidCode is the error name of an X-Squid-Error value ("ERR_CONNECT_FAIL 111").
+func squidCode(v string) string {
+	code, _, _ := strings.Cut(strings.TrimSpace(v), " ")
+	return code
 }
 
-// budget returns a context bounding all attempts of one connection.
-func (l *Listener) budget(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeoutCause(ctx, l.cfg.RetryTimeout, errAttemptTimeout)
-}
-
-// openTunnel picks upstreams and opens a tunnel to dest through the first
-// that works, trying up to Retries more after upstream faults. On success
-// the caller owns conn and must call l.pool.Release(u) when done.
-func (l *Listener) openTunnel(ctx context.Context, key string, dest socks5.Addr) (conn net.Conn, u *pool.Upstream, retries int, fail *tunnelFailure) {
-	ctx, cancel := l.budget(ctx)
-	defer cancel()
-	req := pool.Request{Listener: l.cfg.Name, Key: key}
-	fail = &tunnelFailure{outcome: OutcomeNoUpstream}
-	for attempt := 0; attempt <= l.cfg.Retries; attempt++ {
-		if ctx.Err() != nil {
-			break
+func squidDestinationError(v string) bool {
+	code := squidCode(v)
+	for _, e := range squidDestinationErrors {
+		if code == e {
+			return true
 		}
-		up, err := l.pool.Pick(ctx, req)
+	}
+	return false
+}
+
+// classify says whose fault an attempt's outcome was: a pool.Result. Only
+// failures of the upstream itself count against it; what points at the
+// destination (CONNECT 502/504, a Squid error naming the destination, SOCKS
+// replies 0x02–0x06, a TLS failure, a destination that answers slowly or not
+// at all) never does, and neither does a client that left or an attempt
+// called off.
+func classify(h happened) pool.Result {
+	switch h.what {
+	case wAnswered:
+		return pool.Success
+	case wDialRefused:
+		return pool.DialRefused
+	case wDialTimeout:
+		return pool.DialTimeout
+	case wNoAnswer, wSilent, wOutrun:
+		return pool.HandshakeTimeout
+	case wProxyAnswer:
+		switch {
+		case h.status == http.StatusProxyAuthRequired:
+			return pool.AuthRejected
+		case h.status == http.StatusBadGateway || h.status == http.StatusGatewayTimeout:
+			return pool.DestinationError
+		case h.status >= 500 && squidDestinationError(h.squid):
+			return pool.DestinationError
+		}
+		return pool.ProxyError
+	case wSOCKSReply:
+		if h.reply >= socks5.ReplyNotAllowed && h.reply <= socks5.ReplyTTLExpired {
+			return pool.DestinationError
+		}
+		return pool.ProxyError
+	case wSOCKSAuth:
+		return pool.AuthRejected
+	case wSOCKSAddress, wTLS, wResponseTimeout:
+		return pool.DestinationError
+	}
+	return pool.Canceled // wCalledOff, wClientGone, wStale: no verdict
+}
+
+// answer is what a client is told when no attempt succeeded, and how its
+// connection is counted.
+type answer struct {
+	outcome Outcome
+	status  int    // HTTP status
+	text    string // the short body that goes with it
+	reply   byte   // SOCKS5 reply code
+}
+
+// answerNoUpstream is the answer when the pool had nothing to try.
+var answerNoUpstream = answer{OutcomeNoUpstream, http.StatusBadGateway, textBadGateway, socks5.ReplyGeneralFailure}
+
+// answerFor maps the failed attempt that decides (h, classified as r) to
+// what the client gets: the one place that turns a failure into a status
+// and a SOCKS reply.
+func answerFor(h happened, r pool.Result) answer {
+	timeout := h.what == wResponseTimeout || h.what == wSilent || h.status == http.StatusGatewayTimeout ||
+		squidCode(h.squid) == "ERR_READ_TIMEOUT" || squidCode(h.squid) == "ERR_LIFETIME_EXP"
+	switch {
+	case h.what == wClientGone:
+		return answer{OutcomeClientError, http.StatusBadRequest, textBadRequest, socks5.ReplyGeneralFailure}
+	case r == pool.DestinationError:
+		a := answer{OutcomeDestinationError, http.StatusBadGateway, textBadGateway, socks5.ReplyHostUnreachable}
+		switch {
+		case h.what == wSOCKSReply:
+			a.reply = h.reply
+		case h.what == wSOCKSAddress:
+			a.reply = socks5.ReplyAddressNotSupported
+		case squidCode(h.squid) == "ERR_CONNECT_FAIL":
+			a.reply = socks5.ReplyConnectionRefused
+		}
+		if timeout {
+			a.status, a.text = http.StatusGatewayTimeout, textTimeout
+			if h.what != wSOCKSReply {
+				a.reply = socks5.ReplyTTLExpired
+			}
+		}
+		return a
+	case timeout: // an upstream blamed for its silence: still the answer of a timeout
+		return answer{OutcomeUpstreamError, http.StatusGatewayTimeout, textTimeout, socks5.ReplyTTLExpired}
+	}
+	return answer{OutcomeUpstreamError, http.StatusBadGateway, textBadGateway, socks5.ReplyGeneralFailure}
+}
+
+// attemptError is why one attempt failed: what happened and the error
+// behind it (for the debug log).
+type attemptError struct {
+	h   happened
+	err error
+}
+
+func (e *attemptError) Error() string {
+	return classify(e.h).String() + ": " + e.err.Error()
+}
+func (e *attemptError) Unwrap() error { return e.err }
+
+func failed(w what, err error) *attemptError { return &attemptError{h: happened{what: w}, err: err} }
+
+// Why the loop ends an attempt it no longer needs (the context's cause).
+var (
+	// errAttemptTimeout: the budget of a tunnel's attempts (retry_timeout) ran out.
+	errAttemptTimeout = errors.New("retry budget exhausted")
+	// errResponseTimeout: a plain request had no answer head within response_timeout.
+	errResponseTimeout = errors.New("no response head in time")
+	// errOutrun: the hedge's destination head came within hedge_delay.
+	errOutrun = errors.New("outrun by a hedge that answered at once")
+	// errCalledOff: the other attempt of the request answered first.
+	errCalledOff = errors.New("the other attempt answered first")
+)
+
+// loopCause maps the cause of a plain attempt's ended context to what
+// happened, or false when the loop did not end it (the client left, the
+// listener closed; a tunnel's budget is the attempt's own to classify).
+func loopCause(ctx context.Context) (what, bool) {
+	switch cause := context.Cause(ctx); {
+	case errors.Is(cause, errResponseTimeout):
+		return wResponseTimeout, true
+	case errors.Is(cause, errOutrun):
+		return wOutrun, true
+	case errors.Is(cause, errCalledOff):
+		return wCalledOff, true
+	}
+	return wClientGone, false
+}
+
+// tryResult is what one attempt hands back to the loop.
+type tryResult struct {
+	h    happened
+	err  error         // the failure behind h, for the debug log
+	conn net.Conn      // a tunnel: the connection to the destination
+	resp *http.Response // a plain request: the answer (its body still to read)
+	// took is how long the attempt took (dial and handshake when it dialed).
+	took   time.Duration
+	dialed bool // a new upstream connection was opened and answered
+	// sent: the request may have reached the destination.
+	sent bool
+}
+
+// discard frees what a result holds: it lost, or failed late.
+func (r *tryResult) discard() {
+	if r.conn != nil {
+		_ = r.conn.Close()
+		r.conn = nil
+	}
+	if r.resp != nil {
+		_ = r.resp.Body.Close()
+		r.resp = nil
+	}
+}
+
+// job is one thing the loop gets through an upstream: a tunnel to a
+// destination, or a plain request's answer head.
+type job struct {
+	key string
+	// do makes one attempt through up. It returns when the attempt has its
+	// answer or failed, and soon after ctx ends.
+	do func(ctx context.Context, up *pool.Upstream) tryResult
+	// plain: the request's answer head is awaited up to response_timeout,
+	// counted from the first send, on clock (which the job pauses while it
+	// waits for its client's body); without plain, the attempts are bounded
+	// by retry_timeout.
+	plain bool
+	clock *upstreamClock
+	// again reports whether the job may still be sent after a failed
+	// attempt (nothing of a request body consumed); nil means yes.
+	again func() bool
+	// hedge: the job can be sent again while an attempt is in flight.
+	hedge bool
+	// resendStale: the job may go out again after a kept connection closed
+	// under it (an idempotent request).
+	resendStale bool
+}
+
+// try is one attempt in flight.
+type try struct {
+	up     *pool.Upstream
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	start  time.Time
+	hedge  bool
+	res    tryResult
+	result pool.Result
+}
+
+// loop is the state of one run.
+type loop struct {
+	l    *Listener
+	j    *job
+	base context.Context // the parent of picks and attempts
+	req  pool.Request
+
+	mu       sync.Mutex
+	winner   *try
+	inflight []*try
+	expired  bool // a plain request's response_timeout ran out
+	hedge    *try // the hedge, once sent
+}
+
+// run gets j through an upstream. On success the winner's upstream is not
+// released and its context not ended: the caller releases the upstream and
+// cancels the context when the connection or answer is done. Otherwise a is
+// what the client is told. retries counts the attempts made after a failure.
+func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries int) {
+	if !j.plain {
+		var stop context.CancelFunc
+		ctx, stop = context.WithTimeoutCause(ctx, l.cfg.RetryTimeout, errAttemptTimeout)
+		defer stop()
+	}
+	lp := &loop{l: l, j: j, base: ctx, req: pool.Request{Listener: l.cfg.Name, Key: j.key}}
+	start := time.Now()
+	a = answerNoUpstream
+	var sends, attempts int
+	for !lp.over() {
+		up, err := l.pool.Pick(ctx, lp.req)
 		if err != nil || up == nil {
 			break
 		}
-		start := time.Now()
-		c, derr := l.dialer.tunnel(ctx, up, dest)
-		took := time.Since(start)
-		if derr == nil {
-			l.pool.Report(up, pool.Success, took)
-			l.obs.Dialed(up.Protocol, took)
-			return c, up, attempt, nil
+		if attempts > 0 {
+			retries++
 		}
-		l.pool.Report(up, derr.result, took)
+		attempts++
+		t := lp.begin(up, false)
+		if j.plain && j.clock == nil { // the first send starts the response clock
+			j.clock = newUpstreamClock(l.cfg.ResponseTimeout, lp.expire)
+			defer j.clock.stop()
+		}
+		var (
+			timer  *time.Timer
+			hedged chan struct{} // closed when the hedge timer's work is over
+		)
+		if j.hedge && sends == 0 && l.cfg.HedgeDelay > 0 && hedgeable(up, j.key) {
+			hedged = make(chan struct{})
+			timer = time.AfterFunc(l.cfg.HedgeDelay, func() { lp.sendHedge(t, hedged) })
+		}
+		t.res = j.do(t.ctx, up)
+		if timer != nil && timer.Stop() {
+			hedged = nil // it never ran
+		}
+		lp.settle(t)
+		round := []*try{t}
+		if hedged != nil {
+			<-hedged // the hedge was sent and settled, or given up
+			if h := lp.hedge; h != nil {
+				round = append(round, h)
+			}
+			lp.hedge = nil
+		}
+		if w := lp.winner; w != nil {
+			l.pool.Report(w.up, pool.Success, w.res.took)
+			if w.res.dialed {
+				l.obs.Dialed(w.up.Protocol, w.res.took)
+			}
+			return w, answer{}, retries
+		}
+		// The failure that decides the client's answer: the last one that
+		// says something about an upstream or the destination.
+		decisive := t
+		again := true
+		for _, f := range round {
+			if f.res.sent {
+				sends++
+			}
+			if f.result != pool.Canceled {
+				decisive = f
+			}
+			switch {
+			case f.res.h.what == wStale:
+				again = again && j.resendStale
+			case !f.result.UpstreamFault():
+				again = false // the destination failed, or the client left: no other upstream helps
+			}
+			lp.req.Avoid = append(lp.req.Avoid, f.up.ID())
+		}
+		a = answerFor(decisive.res.h, decisive.result)
+		if decisive.res.h.what == wStale {
+			a.outcome = OutcomeUpstreamError // a kept connection died under the request
+		}
+		if !again || attempts > l.cfg.Retries || sends >= 2 || time.Since(start) >= l.cfg.RetryTimeout ||
+			(j.again != nil && !j.again()) {
+			return nil, a, retries
+		}
+	}
+	if attempts == 0 && errors.Is(context.Cause(ctx), errAttemptTimeout) {
+		a = answerFor(happened{what: wNoAnswer}, pool.HandshakeTimeout) // the pick waited out the budget
+	}
+	return nil, a, retries
+}
+
+// over reports whether no attempt may start any more.
+func (lp *loop) over() bool {
+	lp.mu.Lock()
+	defer lp.mu.Unlock()
+	return lp.expired || lp.base.Err() != nil
+}
+
+// expire runs when a plain request's response_timeout ran out: every
+// attempt in flight ends, and no other starts.
+func (lp *loop) expire() {
+	lp.mu.Lock()
+	defer lp.mu.Unlock()
+	lp.expired = true
+	for _, t := range lp.inflight {
+		t.cancel(errResponseTimeout)
+	}
+}
+
+// hedgeable reports whether a request through up may be hedged: not
+// sticky (a hedge through another upstream would change the exit IP the
+// client pinned), not on a rotating (ppr) service, which bills by request
+// or traffic, and through an HTTP upstream (through SOCKS5 the tunnel's
+// reply already proved the upstream, and a silent head is the destination's).
+func hedgeable(up *pool.Upstream, key string) bool {
+	return key == "" && up.Protocol == pool.HTTP && up.Kind != pool.PPR
+}
+
+// begin starts an attempt through up.
+func (lp *loop) begin(up *pool.Upstream, hedge bool) *try {
+	t := &try{up: up, start: time.Now(), hedge: hedge}
+	t.ctx, t.cancel = context.WithCancelCause(lp.base)
+	lp.mu.Lock()
+	lp.inflight = append(lp.inflight, t)
+	if lp.expired {
+		t.cancel(errResponseTimeout)
+	}
+	lp.mu.Unlock()
+	return t
+}
+
+// sendHedge runs on the hedge timer: first has no answer head after
+// hedge_delay, so the job also goes through one more upstream, in a
+// goroutine the loop waits for (done is closed when it is settled, or at
+// once when no hedge is sent).
+func (lp *loop) sendHedge(first *try, done chan struct{}) {
+	l := lp.l
+	lp.mu.Lock()
+	over := lp.winner != nil || lp.expired || first.ctx.Err() != nil
+	req := lp.req
+	lp.mu.Unlock()
+	if over {
+		close(done)
+		return
+	}
+	req.Avoid = append(append([]string(nil), req.Avoid...), first.up.ID())
+	up, err := l.pool.Pick(lp.base, req)
+	if err != nil || up == nil {
+		close(done)
+		return
+	}
+	if !hedgeable(up, lp.j.key) {
+		l.pool.Report(up, pool.Canceled, 0)
 		l.pool.Release(up)
-		fail.last = derr
-		fail.outcome = OutcomeUpstreamError
-		retries = attempt
-		if derr.result == pool.Canceled {
-			fail.outcome = OutcomeClientError
+		close(done)
+		return
+	}
+	h := lp.begin(up, true)
+	lp.hedge = h // read by the loop after done is closed
+	l.obs.Hedged()
+	go func() {
+		defer close(done)
+		h.res = lp.j.do(h.ctx, up)
+		lp.settle(h)
+	}()
+}
+
+// settle takes an attempt's result: the first answer claims the win and
+// calls the others off; what lost or failed is classified, reported to the
+// pool and released. The winner is reported by run, after the attempts it
+// called off.
+func (lp *loop) settle(t *try) {
+	l := lp.l
+	r := &t.res
+	lp.mu.Lock()
+	if r.h.what == wAnswered {
+		if lp.winner == nil {
+			lp.winner = t
+			cause := errCalledOff
+			if t.hedge && time.Since(t.start) <= l.cfg.HedgeDelay {
+				cause = errOutrun
+			}
+			for _, o := range lp.inflight {
+				if o != t {
+					o.cancel(cause)
+				}
+			}
+		} else {
+			r.discard() // answered just after the other
+			w, _ := loopCause(t.ctx)
+			r.h = happened{what: w}
+		}
+	}
+	for i, o := range lp.inflight {
+		if o == t {
+			lp.inflight = append(lp.inflight[:i], lp.inflight[i+1:]...)
 			break
 		}
-		if !derr.result.UpstreamFault() {
-			break // the destination failed: another upstream would not help
+	}
+	lp.mu.Unlock()
+	if r.h.what != wAnswered {
+		// An attempt the loop ended says why the loop ended it.
+		if w, ok := loopCause(t.ctx); ok && t.ctx.Err() != nil {
+			r.h = happened{what: w}
 		}
-		l.log.Debug("upstream attempt failed", "upstream", up.ID(), "result", derr.result.String(), "err", derr.err)
-		req.Avoid = append(req.Avoid, up.ID())
+		if r.h.what == wResponseTimeout && l.answers.silent(t.up.ID(), t.start) {
+			r.h.what = wSilent
+		}
 	}
-	if ctx.Err() != nil && errors.Is(context.Cause(ctx), errAttemptTimeout) && fail.outcome == OutcomeNoUpstream {
-		fail.outcome = OutcomeUpstreamError
+	t.result = classify(r.h)
+	if answeredSomething(r.h.what) {
+		l.answers.note(t.up.ID())
 	}
-	return nil, nil, retries, fail
+	if lp.winner == t {
+		return
+	}
+	t.cancel(nil)
+	l.log.Debug("upstream attempt failed", "upstream", t.up.ID(), "result", t.result.String(), "hedge", t.hedge, "err", r.err)
+	l.pool.Report(t.up, t.result, r.took)
+	l.pool.Release(t.up)
+}
+
+// answeredSomething reports whether the upstream said anything at all.
+func answeredSomething(w what) bool {
+	switch w {
+	case wAnswered, wProxyAnswer, wSOCKSReply, wSOCKSAuth, wSOCKSAddress, wTLS:
+		return true
+	}
+	return false
+}
+
+// answerLog remembers when each upstream of a listener last answered
+// anything: a request through an upstream that answered nothing during the
+// whole response_timeout, while other upstreams of the listener answered
+// other requests, blames that upstream.
+type answerLog struct {
+	mu   sync.Mutex
+	last map[string]time.Time
+}
+
+// maxAnswerLog bounds the upstreams remembered; past it, entries older
+// than forgetAnswers go.
+const (
+	maxAnswerLog  = 4096
+	forgetAnswers = time.Hour
+)
+
+func (a *answerLog) note(id string) {
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.last == nil {
+		a.last = make(map[string]time.Time)
+	}
+	if _, ok := a.last[id]; !ok && len(a.last) >= maxAnswerLog {
+		for k, t := range a.last {
+			if now.Sub(t) > forgetAnswers {
+				delete(a.last, k)
+			}
+		}
+	}
+	a.last[id] = now
+}
+
+// silent reports whether id answered nothing since since while another
+// upstream did.
+func (a *answerLog) silent(id string, since time.Time) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if t, ok := a.last[id]; ok && !t.Before(since) {
+		return false
+	}
+	for k, t := range a.last {
+		if k != id && !t.Before(since) {
+			return true
+		}
+	}
+	return false
+}
+
+// openTunnel opens a tunnel to dest through the first upstream that works.
+// On success the caller owns conn and must call l.pool.Release(u) when done;
+// otherwise fail is what the client is told.
+func (l *Listener) openTunnel(ctx context.Context, key string, dest socks5.Addr) (conn net.Conn, u *pool.Upstream, retries int, fail *answer) {
+	j := &job{key: key, do: func(ctx context.Context, up *pool.Upstream) tryResult {
+		start := time.Now()
+		c, aerr := l.dialer.tunnel(ctx, up, dest)
+		r := tryResult{conn: c, took: time.Since(start), dialed: aerr == nil}
+		if aerr != nil {
+			r.h, r.err = aerr.h, aerr.err
+		}
+		return r
+	}}
+	w, a, retries := l.run(ctx, j)
+	if w == nil {
+		return nil, nil, retries, &a
+	}
+	w.cancel(nil) // the tunnel is open: nothing of the attempt's context is left in use
+	return w.res.conn, w.up, retries, nil
 }

@@ -17,20 +17,6 @@ import (
 	"github.com/proxyd/proxyd/pool"
 )
 
-// dialError is why one attempt through an upstream failed: its class for the
-// pool and, for destination failures, what to tell the client.
-type dialError struct {
-	result pool.Result
-	// status is the upstream's HTTP answer to CONNECT (502, 504, 407, ...) or 0.
-	status int
-	// reply is the SOCKS reply code to pass to a SOCKS client.
-	reply byte
-	err   error
-}
-
-func (e *dialError) Error() string { return e.result.String() + ": " + e.err.Error() }
-func (e *dialError) Unwrap() error { return e.err }
-
 // dialer dials upstreams. It is shared by the CONNECT, upgrade and SOCKS
 // paths and by the plain-HTTP transports.
 type dialer struct {
@@ -53,8 +39,8 @@ func newDialer(cfg Config) *dialer {
 	return d
 }
 
-// dialTCP connects to the upstream's address and classifies failures.
-func (d *dialer) dialTCP(ctx context.Context, u *pool.Upstream) (net.Conn, *dialError) {
+// dialTCP connects to the upstream's address and says what went wrong.
+func (d *dialer) dialTCP(ctx context.Context, u *pool.Upstream) (net.Conn, *attemptError) {
 	c, err := d.net.DialContext(ctx, "tcp", u.Address)
 	if err != nil {
 		return nil, classifyDial(ctx, err)
@@ -62,27 +48,22 @@ func (d *dialer) dialTCP(ctx context.Context, u *pool.Upstream) (net.Conn, *dial
 	return c, nil
 }
 
-func classifyDial(ctx context.Context, err error) *dialError {
-	r := pool.DialRefused
+func classifyDial(ctx context.Context, err error) *attemptError {
+	w := wDialRefused
 	switch {
 	case ctx.Err() != nil && !upstreamTimeout(ctx):
-		r = pool.Canceled
+		w = wClientGone
 	case isTimeout(err) || ctx.Err() != nil:
-		r = pool.DialTimeout
+		w = wDialTimeout
 	}
-	return &dialError{result: r, err: fmt.Errorf("dialing upstream: %w", err)}
+	return failed(w, fmt.Errorf("dialing upstream: %w", err))
 }
 
-// errAttemptTimeout ends an attempt whose retry budget ran out; it is the
-// upstream's fault (a timeout), unlike a client that left.
-var errAttemptTimeout = errors.New("retry budget exhausted")
-
-// upstreamTimeout reports whether ctx ended because the upstream took too
-// long (the attempt's budget ran out, or the wait for an answer's head),
-// which is the upstream's fault, unlike a client that left.
+// upstreamTimeout reports whether ctx ended because a tunnel's attempts
+// took longer than retry_timeout, which is the upstream's fault, unlike a
+// client that left.
 func upstreamTimeout(ctx context.Context) bool {
-	cause := context.Cause(ctx)
-	return errors.Is(cause, errAttemptTimeout) || errors.Is(cause, errHeadTimeout)
+	return errors.Is(context.Cause(ctx), errAttemptTimeout)
 }
 
 func isTimeout(err error) bool {
@@ -95,7 +76,7 @@ func isTimeout(err error) bool {
 // CONNECT or the SOCKS5 handshake. On success the returned conn carries the
 // destination's bytes (including any the upstream sent right behind its
 // answer).
-func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr) (net.Conn, *dialError) {
+func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr) (net.Conn, *attemptError) {
 	c, derr := d.dialTCP(ctx, u)
 	if derr != nil {
 		return nil, derr
@@ -123,10 +104,10 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 	}
 	_ = c.Close()
 	if ctx.Err() != nil && !upstreamTimeout(ctx) {
-		return nil, &dialError{result: pool.Canceled, err: context.Cause(ctx)}
+		return nil, failed(wClientGone, context.Cause(ctx))
 	}
 	if derr == nil { // the budget ran out just as the answer came
-		derr = &dialError{result: pool.HandshakeTimeout, err: errAttemptTimeout}
+		derr = failed(wNoAnswer, errAttemptTimeout)
 	}
 	return nil, derr
 }
@@ -134,7 +115,7 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 // socksHandshake reads the upstream's answers through a small buffer: a
 // reply and its address come in one read instead of two, and bytes the
 // destination sent right behind the reply are kept for the client.
-func socksHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *dialError) {
+func socksHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *attemptError) {
 	br := bufio.NewReaderSize(c, 512)
 	_, err := socks5.ClientHandshake(struct {
 		io.Reader
@@ -150,19 +131,14 @@ func socksHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *
 	var re *socks5.ReplyError
 	switch {
 	case errors.As(err, &re):
-		if re.DestinationFault() {
-			return nil, &dialError{result: pool.DestinationError, reply: re.Code, err: err}
-		}
-		return nil, &dialError{result: pool.ProxyError, reply: socks5.ReplyGeneralFailure, err: err}
-	case errors.Is(err, socks5.ErrAuthRejected):
-		return nil, &dialError{result: pool.AuthRejected, err: err}
+		return nil, &attemptError{h: happened{what: wSOCKSReply, reply: re.Code}, err: err}
+	case errors.Is(err, socks5.ErrAuthRejected), errors.Is(err, socks5.ErrBadCredentials):
+		return nil, failed(wSOCKSAuth, err)
 	case errors.Is(err, socks5.ErrBadAddress):
-		return nil, &dialError{result: pool.DestinationError, reply: socks5.ReplyAddressNotSupported, err: err}
-	case errors.Is(err, socks5.ErrBadCredentials):
-		return nil, &dialError{result: pool.AuthRejected, err: err}
+		return nil, failed(wSOCKSAddress, err)
 	}
 	// Malformed, closed early, timed out, reset: no usable answer in time.
-	return nil, &dialError{result: pool.HandshakeTimeout, err: fmt.Errorf("socks5 handshake: %w", err)}
+	return nil, failed(wNoAnswer, fmt.Errorf("socks5 handshake: %w", err))
 }
 
 // basicAuth is the Proxy-Authorization value for an upstream, or "".
@@ -173,7 +149,7 @@ func basicAuth(u *pool.Upstream) string {
 	return "Basic " + base64.StdEncoding.EncodeToString([]byte(u.Username+":"+u.Password))
 }
 
-func connectHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *dialError) {
+func connectHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *attemptError) {
 	target := dest.String()
 	var b strings.Builder
 	b.Grow(128)
@@ -189,32 +165,28 @@ func connectHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn,
 	}
 	b.WriteString("\r\n")
 	if _, err := io.WriteString(c, b.String()); err != nil {
-		return nil, &dialError{result: pool.HandshakeTimeout, err: fmt.Errorf("writing CONNECT: %w", err)}
+		return nil, failed(wNoAnswer, fmt.Errorf("writing CONNECT: %w", err))
 	}
 	br := bufio.NewReaderSize(c, 1024)
 	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
 	if err != nil {
-		return nil, &dialError{result: pool.HandshakeTimeout, err: fmt.Errorf("reading CONNECT answer: %w", err)}
+		return nil, failed(wNoAnswer, fmt.Errorf("reading CONNECT answer: %w", err))
 	}
-	switch s := resp.StatusCode; {
-	case s >= 200 && s < 300:
-		if n := br.Buffered(); n > 0 {
-			head, _ := br.Peek(n)
-			return &prefixConn{Conn: c, prefix: append([]byte(nil), head...)}, nil
-		}
-		return c, nil
-	case s == http.StatusProxyAuthRequired:
-		return nil, &dialError{result: pool.AuthRejected, status: s, err: errors.New("upstream answered 407")}
-	case s == http.StatusBadGateway || s == http.StatusGatewayTimeout:
-		reply := byte(socks5.ReplyHostUnreachable)
-		if s == http.StatusGatewayTimeout {
-			reply = socks5.ReplyTTLExpired
-		}
-		return nil, &dialError{result: pool.DestinationError, status: s, reply: reply,
-			err: fmt.Errorf("upstream answered %d", s)}
-	default:
-		return nil, &dialError{result: pool.ProxyError, status: s, reply: socks5.ReplyGeneralFailure,
-			err: fmt.Errorf("upstream answered %d", s)}
+	if s := resp.StatusCode; s < 200 || s > 299 {
+		return nil, proxyAnswer(resp)
+	}
+	if n := br.Buffered(); n > 0 {
+		head, _ := br.Peek(n)
+		return &prefixConn{Conn: c, prefix: append([]byte(nil), head...)}, nil
+	}
+	return c, nil
+}
+
+// proxyAnswer is an upstream's own answer that refused a request.
+func proxyAnswer(resp *http.Response) *attemptError {
+	return &attemptError{
+		h:   happened{what: wProxyAnswer, status: resp.StatusCode, squid: resp.Header.Get("X-Squid-Error")},
+		err: fmt.Errorf("upstream answered %d", resp.StatusCode),
 	}
 }
 

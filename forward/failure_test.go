@@ -77,14 +77,16 @@ func TestFailover(t *testing.T) {
 					good = newHTTPUpstream(t, "", "", nil).upstream(1)
 				}
 				// Short timeouts only where the fault is a hang: the machine may be busy.
-				hs := 10 * time.Second
+				// A plain request through a silent HTTP upstream is told
+				// from a slow destination by a hedge through the next one.
+				hs, hedge := 10*time.Second, 2*time.Second
 				if fault == "hang" {
-					hs = time.Second
+					hs, hedge = time.Second, 200*time.Millisecond
 				}
 				cfg := testConfig(func(c *Config) {
 					c.AllowDestinations = loopbackAllowed
 					c.HandshakeTimeout = hs
-					c.ResponseTimeout = hs
+					c.HedgeDelay = hedge
 				})
 				check := func(t *testing.T, p *fakePool) {
 					t.Helper()

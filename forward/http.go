@@ -204,7 +204,7 @@ func (l *Listener) serveConnect(w http.ResponseWriter, r *http.Request, cc *clie
 	_ = conn.SetDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
-		writeRawError(conn, fail.httpStatus())
+		writeRawError(conn, fail.status, fail.text)
 		_ = conn.Close()
 		return
 	}
@@ -258,14 +258,7 @@ func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, p
 	l.relay(cc, raw, done)
 }
 
-func writeRawError(w io.Writer, status int) {
-	text := textBadGateway
-	switch status {
-	case http.StatusGatewayTimeout:
-		text = textTimeout
-	case http.StatusServiceUnavailable:
-		text = textUnavailable
-	}
+func writeRawError(w io.Writer, status int, text string) {
 	_, _ = fmt.Fprintf(w, "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
 		status, http.StatusText(status), len(text), text)
 }
@@ -280,7 +273,7 @@ func (l *Listener) answerOverCap(c net.Conn) {
 		}
 		return
 	}
-	writeRawError(c, http.StatusServiceUnavailable)
+	writeRawError(c, http.StatusServiceUnavailable, textUnavailable)
 	if cw, ok := c.(closeWriter); ok {
 		_ = cw.CloseWrite()
 	}
@@ -345,12 +338,7 @@ func (l *Listener) serveUpgrade(w http.ResponseWriter, r *http.Request, cc *clie
 	cc.retries.Add(int32(retries))
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
-		status := fail.httpStatus()
-		text := textBadGateway
-		if status == http.StatusGatewayTimeout {
-			text = textTimeout
-		}
-		plainError(w, status, text)
+		plainError(w, fail.status, fail.text)
 		return
 	}
 	fail2 := func(o Outcome) {

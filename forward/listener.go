@@ -25,6 +25,7 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/elazarl/goproxy"
@@ -43,6 +44,9 @@ type Listener struct {
 	auth   authenticator
 	dest   destPolicy
 	dialer *dialer
+	// answers: when each upstream last answered (a silent upstream is
+	// blamed when others answer).
+	answers answerLog
 
 	// HTTP only.
 	srv        *http.Server
@@ -335,11 +339,29 @@ type acceptor struct {
 
 func (a *acceptor) Accept() (net.Conn, error) {
 	l := a.l
+	var backoff time.Duration
 	for {
 		c, err := a.Listener.Accept()
 		if err != nil {
-			return nil, err
+			if !acceptRetryable(err) {
+				return nil, err
+			}
+			// Out of file descriptors (or a timeout): new clients wait in
+			// the backlog or are refused while it lasts; the loop keeps
+			// going and serves again once descriptors free up.
+			if backoff == 0 {
+				l.log.Warn("accepting connections", "err", err)
+			}
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+			case <-l.ctx.Done():
+				t.Stop()
+			}
+			continue
 		}
+		backoff = 0
 		l.obs.Opened()
 		if !l.clientAllowed(c.RemoteAddr()) {
 			_ = c.Close()
@@ -369,6 +391,20 @@ func (a *acceptor) Accept() (net.Conn, error) {
 		l.mu.Unlock()
 		return cc, nil
 	}
+}
+
+// acceptRetryable reports whether an accept error is passing: a shortage of
+// file descriptors or kernel memory, or a timeout. A closed listener is not.
+func acceptRetryable(err error) bool {
+	if errors.Is(err, net.ErrClosed) {
+		return false
+	}
+	if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM) || errors.Is(err, syscall.ECONNABORTED) {
+		return true
+	}
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }
 
 // Listen opens a listening socket for Serve. It leaves TCP keep-alive off

@@ -122,7 +122,7 @@ func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, d
 	start := time.Now()
 	var (
 		c    net.Conn
-		derr *dialError
+		derr *attemptError
 	)
 	if u.Protocol == pool.SOCKS5 {
 		c, derr = pcs.d.tunnel(ctx, u, dest)

@@ -24,16 +24,17 @@ const attemptKey ctxKey = 100
 // attemptInfo is what a transport's dialer learned during one attempt.
 type attemptInfo struct {
 	mu       sync.Mutex
-	dialErr  *dialError
+	dialErr  *attemptError
 	dialed   bool
 	dialTook time.Duration
 }
 
-// upstreamClock ends an attempt when the upstream keeps proxyd waiting too
-// long: for the answer's head, or to take the next piece of a request body.
-// It does not run while proxyd waits for the client's body (pause/resume
+// upstreamClock is a plain request's response_timeout: it ends the
+// request's attempts when the upstream side keeps proxyd waiting too long,
+// for the answer's head or to take the next piece of a request body. It
+// does not run while proxyd waits for the client's body (pause/resume
 // around each read of it), so a slow upload is not the upstream's delay;
-// each resume gives the upstream the whole time again.
+// each resume gives the upstream side the whole time again.
 type upstreamClock struct {
 	mu      sync.Mutex
 	d       time.Duration
@@ -86,7 +87,7 @@ func (c *upstreamClock) stop() bool {
 	return !c.fired
 }
 
-func recordDial(ctx context.Context, derr *dialError, took time.Duration) {
+func recordDial(ctx context.Context, derr *attemptError, took time.Duration) {
 	info, _ := ctx.Value(attemptKey).(*attemptInfo)
 	if info == nil {
 		return
@@ -101,7 +102,7 @@ func recordDial(ctx context.Context, derr *dialError, took time.Duration) {
 	info.dialTook = took
 }
 
-func (i *attemptInfo) get() (*dialError, bool, time.Duration) {
+func (i *attemptInfo) get() (*attemptError, bool, time.Duration) {
 	i.mu.Lock()
 	defer i.mu.Unlock()
 	return i.dialErr, i.dialed, i.dialTook
@@ -161,7 +162,6 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 		MaxIdleConnsPerHost:    128,
 		IdleConnTimeout:        90 * time.Second,
 		ExpectContinueTimeout:  time.Second,
-		ResponseHeaderTimeout:  tc.l.cfg.ResponseTimeout,
 		MaxResponseHeaderBytes: 1 << 20,
 		ForceAttemptHTTP2:      false,
 	}
@@ -196,19 +196,12 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 			return c, nil
 		}
 		tr.OnProxyConnectResponse = func(ctx context.Context, _ *url.URL, _ *http.Request, resp *http.Response) error {
-			var derr *dialError
-			switch s := resp.StatusCode; {
-			case s >= 200 && s < 300:
+			if s := resp.StatusCode; s >= 200 && s < 300 {
 				return nil
-			case s == http.StatusProxyAuthRequired:
-				derr = &dialError{result: pool.AuthRejected, status: s, err: errors.New("upstream answered 407")}
-			case s == http.StatusBadGateway || s == http.StatusGatewayTimeout:
-				derr = &dialError{result: pool.DestinationError, status: s, err: errors.New("upstream answered " + strconv.Itoa(s))}
-			default:
-				derr = &dialError{result: pool.ProxyError, status: s, err: errors.New("upstream answered " + strconv.Itoa(s))}
 			}
-			recordDial(ctx, derr, 0)
-			return derr
+			aerr := proxyAnswer(resp)
+			recordDial(ctx, aerr, 0)
+			return aerr
 		}
 	}
 	return tr
@@ -230,22 +223,23 @@ type replayBody struct {
 	rc       io.ReadCloser
 	read     atomic.Int64
 	inflight atomic.Int32
-	bad      atomic.Bool // reading the client's body failed: the client's fault
+	bad      atomic.Bool // reading the client's body failed or stalled: the client's fault
 	cur      *bodyAttempt
+	j        *job        // whose response clock pauses while the client is waited for
+	client   net.Conn    // the client's connection, whose reads idle bounds
+	idle     time.Duration
 }
 
 // bodyAttempt is one attempt's view of the client's body. Its reads pause
-// the attempt's clock: waiting for the client is not the upstream's delay.
+// the request's response clock: waiting for the client is not the
+// upstream's delay. A client that sends nothing for idle_timeout fails the
+// request.
 type bodyAttempt struct {
-	rb    *replayBody
-	clock *upstreamClock
-	dead  atomic.Bool
+	rb   *replayBody
+	dead atomic.Bool
 }
 
-var (
-	errAttemptOver = errors.New("request attempt over")
-	errHeadTimeout = errors.New("no response head in time")
-)
+var errAttemptOver = errors.New("request attempt over")
 
 func (a *bodyAttempt) Read(p []byte) (int, error) {
 	rb := a.rb
@@ -254,9 +248,16 @@ func (a *bodyAttempt) Read(p []byte) (int, error) {
 	if a.dead.Load() {
 		return 0, errAttemptOver
 	}
-	a.clock.pause()
+	clock := rb.j.clock
+	clock.pause()
+	if rb.client != nil {
+		_ = rb.client.SetReadDeadline(time.Now().Add(rb.idle))
+	}
 	n, err := rb.rc.Read(p)
-	a.clock.resume()
+	if err != nil && rb.client != nil {
+		_ = rb.client.SetReadDeadline(time.Time{})
+	}
+	clock.resume()
 	rb.read.Add(int64(n))
 	if err != nil && err != io.EOF {
 		rb.bad.Store(true)
@@ -268,15 +269,19 @@ func (a *bodyAttempt) Read(p []byte) (int, error) {
 // still need it.
 func (a *bodyAttempt) Close() error { return nil }
 
-// next ends the current attempt's view of the body and returns a fresh one
-// (whose clock the caller sets before use), or nil when bytes were already
-// consumed (the request cannot be replayed).
+// again ends the current attempt's view of the body and reports whether the
+// body can go to another attempt (nothing of it was consumed).
+func (rb *replayBody) again() bool {
+	if rb.cur != nil {
+		rb.cur.dead.Store(true)
+	}
+	return rb.inflight.Load() == 0 && rb.read.Load() == 0 && !rb.bad.Load()
+}
+
+// next returns a fresh view of the body for an attempt.
 func (rb *replayBody) next() *bodyAttempt {
 	if rb.cur != nil {
 		rb.cur.dead.Store(true)
-		if rb.inflight.Load() > 0 || rb.read.Load() > 0 {
-			return nil
-		}
 	}
 	rb.cur = &bodyAttempt{rb: rb}
 	return rb.cur
@@ -322,14 +327,7 @@ func (b *releaseBody) Close() error {
 	return err
 }
 
-func errorResponse(req *http.Request, status int) *http.Response {
-	text := textBadGateway
-	switch status {
-	case http.StatusGatewayTimeout:
-		text = textTimeout
-	case http.StatusBadRequest:
-		text = textBadRequest
-	}
+func errorResponse(req *http.Request, status int, text string) *http.Response {
 	return &http.Response{
 		Status:        strconv.Itoa(status) + " " + http.StatusText(status),
 		StatusCode:    status,
@@ -343,171 +341,136 @@ func errorResponse(req *http.Request, status int) *http.Response {
 	}
 }
 
-// roundTrip sends one plain request through upstreams picked from the pool,
-// trying others before any answer reached the client while the request can
-// still be sent again. It never returns an error: goproxy would put its text
-// in the body.
+// resendable reports whether a request may be sent again while its first
+// send is still in flight: replayable in net/http's sense (GET, HEAD,
+// OPTIONS or TRACE, or a request carrying an idempotency key) and without
+// a body (which proxyd does not keep).
+func resendable(req *http.Request) bool {
+	if req.Body != nil && req.Body != http.NoBody {
+		return false
+	}
+	switch req.Method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	_, key := req.Header["Idempotency-Key"]
+	_, xkey := req.Header["X-Idempotency-Key"]
+	return key || xkey
+}
+
+// roundTrip sends one plain request through the attempt loop. It never
+// returns an error: goproxy would put its text in the body.
 func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Response, error) {
 	ctx := req.Context()
 	cc, _ := ctx.Value(connKey).(*clientConn)
 	key, _ := ctx.Value(keyKey).(string)
 	// req's hop-by-hop headers went in serveHTTP, before goproxy.
+	j := &job{key: key, plain: true, hedge: resendable(req), resendStale: idempotent(req.Method)}
 	var rb *replayBody
 	if req.Body != nil && req.Body != http.NoBody {
-		rb = &replayBody{rc: req.Body}
-	}
-	preq := pool.Request{Listener: l.cfg.Name, Key: key}
-	start := time.Now()
-	outcome := OutcomeNoUpstream
-	status := http.StatusBadGateway
-	attempt := 0
-	defer func() {
+		rb = &replayBody{rc: req.Body, j: j, idle: l.cfg.IdleTimeout}
 		if cc != nil {
-			cc.retries.Add(int32(attempt))
+			rb.client = cc.Conn
 		}
-	}()
-	for ; attempt <= l.cfg.Retries; attempt++ {
-		if attempt > 0 && time.Since(start) >= l.cfg.RetryTimeout {
-			break
-		}
-		var body *bodyAttempt
-		if rb != nil {
-			if body = rb.next(); body == nil {
-				break // part of the body went to the failed attempt
-			}
-		}
-		up, err := l.pool.Pick(ctx, preq)
-		if err != nil || up == nil {
-			break
-		}
-		// Wait on the upstream up to ResponseTimeout at a time (see
-		// upstreamClock), but for a request without body (which another
-		// upstream could take) only as long as the retry budget lasts: an
-		// upstream that accepts and never answers must not hold the client
-		// past the bounded time.
-		headWait := l.cfg.ResponseTimeout
-		if rb == nil {
-			headWait = min(headWait, max(l.cfg.RetryTimeout-time.Since(start), time.Millisecond))
-		}
-		info := &attemptInfo{}
-		actx, cancelAttempt := context.WithCancelCause(context.WithValue(ctx, attemptKey, info))
-		clock := newUpstreamClock(headWait, func() { cancelAttempt(errHeadTimeout) })
-		out := req.WithContext(actx)
-		if body != nil {
-			body.clock = clock
-			out.Body = body
-		}
-		out.Header = req.Header.Clone()
-		// The client's "Connection: close" (or HTTP/1.0 without keep-alive)
-		// is about its own connection: the upstream connection stays open
-		// for the next request.
-		out.Close = false
-		if _, ok := out.Header["User-Agent"]; !ok {
-			out.Header["User-Agent"] = []string{""} // or Go would name itself
-		}
-		if up.Protocol != pool.SOCKS5 && req.URL.Scheme == "http" {
-			if a := basicAuth(up); a != "" {
-				out.Header.Set("Proxy-Authorization", a)
-			}
-		}
-		t0 := time.Now()
-		var resp *http.Response
-		// Our own connections, but for TLS to the destination and for
-		// "Expect: 100-continue", where Transport holds the body back until
-		// the upstream asks for it. The attempt's clock covers both.
-		if out.URL.Scheme == "http" && out.Header.Get("Expect") == "" {
-			resp, err = l.plain.roundTrip(actx, up, out)
-		} else {
-			resp, err = l.transports.get(up).RoundTrip(out)
-		}
-		took := time.Since(t0)
-		if !clock.stop() && err == nil {
-			_ = resp.Body.Close() // the head came just as the wait ended
-			resp, err = nil, errHeadTimeout
-		}
-		derr, dialed, dialTook := info.get()
-		var res pool.Result
-		stale := errors.Is(err, errStaleConn)
-		switch {
-		case err == nil && up.Protocol != pool.SOCKS5 && resp.StatusCode == http.StatusProxyAuthRequired:
-			_ = resp.Body.Close()
-			res = pool.AuthRejected
-		case err == nil:
-			res = pool.Success
-		case rb != nil && rb.bad.Load():
-			res = pool.Canceled // the client's body was broken or cut: no verdict on the upstream
-			status = http.StatusBadRequest
-		case stale, errors.Is(err, errListenerClosed):
-			// A kept connection the other side closed while idle, or the
-			// listener closing: no verdict on the upstream.
-			res = pool.Canceled
-		case derr != nil:
-			res = derr.result
-		case ctx.Err() != nil:
-			res = pool.Canceled
-		case tlsFailure(err):
-			// The upstream carried the connection; the destination's TLS
-			// did not hold (an untrusted or wrong certificate, no TLS at
-			// all). Another upstream would reach the same destination.
-			res = pool.DestinationError
-		default:
-			res = pool.HandshakeTimeout // no or malformed answer
-		}
-		if res == pool.Success {
-			if dialed {
-				took = dialTook
-				l.obs.Dialed(up.Protocol, dialTook)
-			}
-			l.pool.Report(up, pool.Success, took)
-			stripHop(resp.Header, false)
-			if w, ok := ctx.Value(writerKey).(http.ResponseWriter); ok {
-				flush := http.NewResponseController(w).Flush
-				if pb, ok := resp.Body.(*plainBody); ok {
-					pb.pc.head.idle = func() { _ = flush() }
-				} else {
-					resp.Body = &flushingBody{ReadCloser: resp.Body, flush: flush}
-				}
-			}
-			resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() {
-				cancelAttempt(nil)
-				l.pool.Release(up)
-			}}
-			if cc != nil {
-				cc.setOutcome(OutcomeOK)
-			}
-			return resp, nil
-		}
-		if dialed {
-			took = dialTook
-		}
-		cancelAttempt(nil)
-		l.log.Debug("plain request attempt failed", "upstream", up.ID(), "result", res.String(), "err", err)
-		l.pool.Report(up, res, took)
-		l.pool.Release(up)
-		outcome = OutcomeUpstreamError
-		if stale && idempotent(req.Method) {
-			continue // again, if the body can still be sent
-		}
-		if stale {
-			break // the upstream may have acted on it: not sent twice
-		}
-		if res == pool.Canceled {
-			outcome = OutcomeClientError
-			break
-		}
-		if !res.UpstreamFault() {
-			if derr != nil && derr.status == http.StatusGatewayTimeout {
-				status = http.StatusGatewayTimeout
-			}
-			break
-		}
-		preq.Avoid = append(preq.Avoid, up.ID())
+		j.again = rb.again
 	}
-	if attempt > l.cfg.Retries {
-		attempt = l.cfg.Retries
-	}
+	j.do = func(ctx context.Context, up *pool.Upstream) tryResult { return l.plainAttempt(ctx, req, rb, up) }
+	w, a, retries := l.run(ctx, j)
 	if cc != nil {
-		cc.setOutcome(outcome)
+		cc.retries.Add(int32(retries))
 	}
-	return errorResponse(req, status), nil
+	if w == nil {
+		if cc != nil {
+			cc.setOutcome(a.outcome)
+		}
+		return errorResponse(req, a.status, a.text), nil
+	}
+	resp := w.res.resp
+	stripHop(resp.Header, false)
+	if rw, ok := ctx.Value(writerKey).(http.ResponseWriter); ok {
+		flush := http.NewResponseController(rw).Flush
+		if pb, ok := resp.Body.(*plainBody); ok {
+			pb.pc.head.idle = func() { _ = flush() }
+		} else {
+			resp.Body = &flushingBody{ReadCloser: resp.Body, flush: flush}
+		}
+	}
+	resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() {
+		w.cancel(nil)
+		l.pool.Release(w.up)
+	}}
+	if cc != nil {
+		cc.setOutcome(OutcomeOK)
+	}
+	return resp, nil
+}
+
+// plainAttempt sends req through up and waits for the answer's head.
+func (l *Listener) plainAttempt(ctx context.Context, req *http.Request, rb *replayBody, up *pool.Upstream) tryResult {
+	info := &attemptInfo{}
+	actx := context.WithValue(ctx, attemptKey, info)
+	out := req.WithContext(actx)
+	if rb != nil {
+		out.Body = rb.next()
+	}
+	out.Header = req.Header.Clone()
+	// The client's "Connection: close" (or HTTP/1.0 without keep-alive)
+	// is about its own connection: the upstream connection stays open for
+	// the next request.
+	out.Close = false
+	if _, ok := out.Header["User-Agent"]; !ok {
+		out.Header["User-Agent"] = []string{""} // or Go would name itself
+	}
+	viaProxy := up.Protocol != pool.SOCKS5 && req.URL.Scheme == "http"
+	if viaProxy {
+		if a := basicAuth(up); a != "" {
+			out.Header.Set("Proxy-Authorization", a)
+		}
+	}
+	t0 := time.Now()
+	var (
+		resp *http.Response
+		err  error
+	)
+	// Our own connections, but for TLS to the destination and for
+	// "Expect: 100-continue", where Transport holds the body back until
+	// the upstream asks for it.
+	if out.URL.Scheme == "http" && out.Header.Get("Expect") == "" {
+		resp, err = l.plain.roundTrip(actx, up, out)
+	} else {
+		resp, err = l.transports.get(up).RoundTrip(out)
+	}
+	r := tryResult{took: time.Since(t0), err: err}
+	aerr, dialed, dialTook := info.get()
+	if dialed {
+		r.took, r.dialed = dialTook, true
+	}
+	switch {
+	case err == nil && viaProxy && (resp.StatusCode == http.StatusProxyAuthRequired || resp.Header.Get("X-Squid-Error") != ""):
+		// The upstream's own answer, not the destination's: that attempt's
+		// failure, not a win.
+		pa := proxyAnswer(resp)
+		_ = resp.Body.Close()
+		r.h, r.err = pa.h, pa.err
+		r.sent = resp.StatusCode != http.StatusProxyAuthRequired
+	case err == nil:
+		r.h.what, r.resp, r.sent = wAnswered, resp, true
+	case rb != nil && rb.bad.Load():
+		r.h.what = wClientGone // the client's body broke, was cut or stalled
+	case errors.Is(err, errStaleConn):
+		r.h.what, r.sent = wStale, true // a kept connection the other side closed while idle
+	case errors.Is(err, errListenerClosed):
+		r.h.what = wClientGone
+	case aerr != nil:
+		r.h = aerr.h // before anything was sent
+	case ctx.Err() != nil:
+		r.h.what, r.sent = wClientGone, true // or the loop's reason, which settle puts in
+	case tlsFailure(err):
+		// The upstream carried the connection; the destination's TLS did
+		// not hold (an untrusted or wrong certificate, no TLS at all).
+		r.h.what = wTLS
+	default:
+		r.h.what, r.sent = wNoAnswer, true // no or malformed answer
+	}
+	return r
 }

@@ -10,22 +10,14 @@ import (
 	"github.com/proxyd/proxyd/forward/socks5"
 )
 
-// serveSOCKS is the SOCKS5 accept loop.
+// serveSOCKS is the SOCKS5 accept loop. The acceptor waits out a shortage
+// of file descriptors itself; any error that reaches here ends the loop.
 func (l *Listener) serveSOCKS(al *acceptor) error {
-	var backoff time.Duration
 	for {
 		c, err := al.Accept()
 		if err != nil {
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() && !errors.Is(err, net.ErrClosed) {
-				// Temporary (e.g. out of file descriptors): back off, keep serving.
-				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-				time.Sleep(backoff)
-				continue
-			}
 			return err
 		}
-		backoff = 0
 		cc := c.(*clientConn)
 		if !l.spawn(func() { l.serveSOCKSConn(cc) }) {
 			_ = cc.Close()
@@ -81,11 +73,16 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 		_ = socks5.WriteReply(cc, reply, socks5.Addr{})
 		return
 	}
+	// The request is read: the client now waits as long as the attempts
+	// may take (they have their own bounds), then has HeaderTimeout to take
+	// the reply.
+	_ = cc.SetDeadline(time.Time{})
 	upc, up, retries, fail := l.openTunnel(l.ctx, key, req.Dest)
 	cc.retries.Add(int32(retries))
+	_ = cc.SetDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
-		_ = socks5.WriteReply(cc, fail.socksReply(), socks5.Addr{})
+		_ = socks5.WriteReply(cc, fail.reply, socks5.Addr{})
 		return
 	}
 	handedOff = true
