@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/proxyd/proxyd/agent"
+	"github.com/proxyd/proxyd/forward"
 )
 
 // TestConfigFiles walks testdata/config/*.toml: each bad file must give
@@ -47,6 +49,33 @@ func TestConfigFiles(t *testing.T) {
 			"listener[0].address: must be host:port: address 127.0.0.1: missing port in address",
 			`listener[1].name: "a" is already the name of listener[0]`,
 			"listener[1].address: 0.0.0.0:1080 is not a loopback address: configure [[listener.user]] or allow",
+		},
+		"explicit_zeros.toml": {
+			"api.timeout: must be more than 0s",
+			"poll.ip_list: must be at least 1s, got 0s",
+			"pool.failure_threshold: must be at least 1, got 0",
+			"pool.sticky_idle: must be positive (sticky_max = 0 turns stickiness off), got 0s",
+			"pool.quota_headroom: must be a positive number, got 0",
+			"listener[0].dial_timeout: must be positive, got 0s",
+			"listener[0].response_timeout: must be positive, got 0s",
+			"listener[0].max_connections: must be positive, got 0",
+		},
+		"zeros_kept.toml":    nil,
+		"print_full.toml":    nil,
+		"print_minimal.toml": nil,
+		"out_of_range.toml": {
+			"api.services[0]: service IDs are positive numbers, got -1",
+			"poll.max_backoff: must be at least 1s, got 10ms",
+			"poll.jitter: must be within 0–0.5, got 0.9",
+			"pool.eject_max: must not be less than eject_base (10m0s), got 1m0s",
+			"pool.max_ejected_percent: must be within 0–100, got 150",
+			"pool.latency_tolerance: must not be negative, got -0.5",
+			"pool.quota_headroom: must be a positive number, got -1",
+			"manage.update_list_share: must be within 0–1, got 1.5",
+			"manage.update_list_after: must not be negative, got -1s",
+			`listener[0].hedge_delay: must not be negative ("0s" turns hedging off), got -2s`,
+			"listener[0].retries: must not be negative (0 turns retries off), got -1",
+			"listener[0].services: service 7 is not in api.services",
 		},
 		"wrong_types.toml": {
 			"api: must be a table, got a string",
@@ -125,6 +154,128 @@ retry_timeout = "0s"
 			t.Fatalf("run %d: problems:\n%v\nwant:\n%s", i, err, want)
 		}
 	}
+}
+
+// TestExplicitZerosKept: a key written as zero keeps zero where zero has a
+// meaning; defaults fill only what is absent.
+func TestExplicitZerosKept(t *testing.T) {
+	cfg, err := loadConfig(filepath.Join("testdata", "config", "zeros_kept.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := cfg.Listener[0]
+	for _, c := range []struct {
+		key string
+		got any
+	}{
+		{"poll.jitter", cfg.Poll.Jitter},
+		{"pool.max_ejected_percent", cfg.Pool.MaxEjectedPercent},
+		{"pool.latency_tolerance", cfg.Pool.LatencyTolerance},
+		{"pool.sticky_max", cfg.Pool.StickyMax},
+		{"pool.probe_interval", cfg.Pool.ProbeInterval},
+		{"pool.probe_budget", cfg.Pool.ProbeBudget},
+		{"pool.rotate_wait", cfg.Pool.RotateWait},
+		{"manage.update_list_share", cfg.Manage.UpdateListShare},
+		{"listener[0].retries", l.Retries},
+		{"listener[0].hedge_delay", l.HedgeDelay},
+		{"shutdown.drain_timeout", cfg.Shutdown.DrainTimeout},
+	} {
+		if !reflect.ValueOf(c.got).IsZero() {
+			t.Errorf("%s = %v, want the 0 written in the file", c.key, c.got)
+		}
+	}
+	// Absent keys of the same sections still get their defaults.
+	def := defaultConfig()
+	if cfg.Pool.FailureThreshold != def.Pool.FailureThreshold || l.RetryTimeout != forward.DefaultConfig().RetryTimeout ||
+		cfg.Manage.UpdateListAfter != def.Manage.UpdateListAfter {
+		t.Errorf("absent keys lost their defaults: %+v %+v", cfg.Pool, l)
+	}
+}
+
+// TestPrintRoundTrip: check -print prints every key with the value in
+// force; parsing the output and printing again gives the same text; no
+// secret is printed.
+func TestPrintRoundTrip(t *testing.T) {
+	// Secrets written inline are the one value the output leaves out (see
+	// below), so the files here take theirs from files.
+	for _, name := range []string{"print_full.toml", "print_minimal.toml", "zeros_kept.toml"} {
+		t.Run(name, func(t *testing.T) {
+			cfg, err := loadConfig(filepath.Join("testdata", "config", name))
+			if err != nil {
+				t.Fatal(err)
+			}
+			first := printConfig(cfg)
+			again, err := parseConfig(first)
+			if err != nil {
+				t.Fatalf("the printed config does not parse: %v\n%s", err, first)
+			}
+			if second := printConfig(again); second != first {
+				t.Errorf("printing again differs:\n%s\n---\n%s", first, second)
+			}
+			if fmt.Sprint(scrubSecrets(cfg)) != fmt.Sprint(again) {
+				t.Errorf("the printed config reads back differently:\n%+v\n%+v", scrubSecrets(cfg), again)
+			}
+			for _, key := range []string{"[api]", "base_url = ", "[poll]", "ip_list = ", "[pool]", "quota_headroom = ",
+				"[manage]", "update_list_after = ", "[[listener]]", "hedge_delay = ", "response_timeout = ",
+				"[admin]", "[log]", "[shutdown]", "drain_timeout = "} {
+				if !strings.Contains(first, key) {
+					t.Errorf("%q missing from:\n%s", key, first)
+				}
+			}
+		})
+	}
+	// Secrets that are set are comments, never values.
+	cfg, err := parseConfig(`
+[api]
+token = "canary-api-token"
+[admin]
+token = "canary-admin-token"
+[[listener]]
+name = "a"
+protocol = "http"
+address = "127.0.0.1:1"
+[[listener.user]]
+name = "alice"
+password = "canary-user-password"
+`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := printConfig(cfg)
+	if strings.Contains(out, "canary") {
+		t.Errorf("a secret is printed:\n%s", out)
+	}
+	for _, want := range []string{"# token = (set, hidden)\n", "[[listener.user]]\nname = \"alice\"\n# password = (set, hidden)\n"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("%q missing from:\n%s", want, out)
+		}
+	}
+	// The check command prints it too.
+	path := filepath.Join(t.TempDir(), "c.toml")
+	os.WriteFile(path, []byte(out), 0o600)
+	var stdout, stderr strings.Builder
+	if code := runMain(context.Background(), []string{"check", "-config", path, "-print"},
+		stdio{out: &stdout, err: &stderr, getenv: func(string) string { return "" }}); code != 0 {
+		t.Fatalf("check -print: exit %d: %s", code, stderr.String())
+	}
+	if !strings.HasPrefix(stdout.String(), "[api]\n") {
+		t.Errorf("check -print output:\n%s", stdout.String())
+	}
+}
+
+// scrubSecrets is cfg as -print shows it: secrets written inline are the
+// one thing the output leaves out.
+func scrubSecrets(cfg config) config {
+	cfg.API.Token, cfg.API.Password, cfg.Admin.Token = "", "", ""
+	cfg.Listener = slices.Clone(cfg.Listener)
+	for i := range cfg.Listener {
+		users := slices.Clone(cfg.Listener[i].Users)
+		for j := range users {
+			users[j].Password = ""
+		}
+		cfg.Listener[i].Users = users
+	}
+	return cfg
 }
 
 func TestConfigDefaults(t *testing.T) {

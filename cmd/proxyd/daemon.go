@@ -10,6 +10,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -37,14 +38,15 @@ type daemon struct {
 	pool    *pool.Pool
 	events  *pool.EventLog // GET /events: what happened to upstreams, services, listeners and reloads
 
-	applyMu   sync.Mutex          // serializes apply
-	status    map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
-	lastSaved string              // stateKey of the state file's content (guarded by applyMu)
-	mu        sync.Mutex
-	cfg       config
-	listeners map[string]*runningListener
-	admin     *adminServer
-	running   bool // listeners bound and not yet stopping; Reload needs it
+	applyMu    sync.Mutex          // serializes apply
+	status     map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
+	lastSaved  string              // stateKey of the state file's content (guarded by applyMu)
+	stateMoved atomic.Bool         // a reload changed [state] dir: the next save writes there even if nothing changed
+	mu         sync.Mutex
+	cfg        config
+	listeners  map[string]*runningListener
+	admin      *adminServer
+	running    bool // listeners bound and not yet stopping; Reload needs it
 
 	ready   chan struct{} // closed once every listener accepts
 	stop    chan struct{} // closed by Close
@@ -507,7 +509,7 @@ func (d *daemon) saveState() {
 			cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Session, b.Session))
 	})
 	key := stateKey(st)
-	if key == d.lastSaved {
+	if key == d.lastSaved && !d.stateMoved.Swap(false) {
 		return
 	}
 	st.Saved = time.Now().UTC()

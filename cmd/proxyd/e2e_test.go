@@ -410,7 +410,11 @@ func TestDaemonReadyzFollowsUsableUpstreams(t *testing.T) {
 		}
 	}
 	w.sim.MarkErrored(demoFPR, all...)
-	w.sim.MarkInactive(demoPPR, hostOf(w.sessions[0].Addr()))
+	var gateways []string // each sticky session has a gateway host of its own
+	for _, p := range w.sessions {
+		gateways = append(gateways, hostOf(p.Addr()))
+	}
+	w.sim.MarkInactive(demoPPR, gateways...)
 	e.pollOnce(agent.LoopStatus)
 	code, body := e.admin("/readyz")
 	if code != 503 || !strings.Contains(body, "no usable upstream") {

@@ -214,6 +214,18 @@ func (d *daemon) applyConfig(next config) error {
 		d.metrics.SetServices(next.API.Services)
 	}
 	d.cfg = next
+	if plan.State {
+		// Saved there from now on: at once, changed pool or not. The save
+		// takes applyMu, which is taken before d.mu, so it runs after.
+		d.stateMoved.Store(true)
+		d.wg.Add(1)
+		go func() {
+			defer d.wg.Done()
+			d.applyMu.Lock()
+			defer d.applyMu.Unlock()
+			d.saveState()
+		}()
+	}
 	d.events.Record(pool.Event{Kind: pool.EventReload, Reason: strings.Join(plan.changed(), ",")})
 	d.log.Info("config reloaded", "changed", plan.changed())
 	return nil

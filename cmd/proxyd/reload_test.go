@@ -1,0 +1,416 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/pool"
+)
+
+// TestPlanReload: the plan of a reload names exactly the sections that
+// changed.
+func TestPlanReload(t *testing.T) {
+	base := defaultConfig()
+	base.Listener = defaultListeners()
+	cases := []struct {
+		name   string
+		change func(*config)
+		want   reloadPlan
+	}{
+		{"nothing", func(*config) {}, reloadPlan{}},
+		{"base url", func(c *config) { c.API.BaseURL = "http://other.test" },
+			reloadPlan{API: true, Provider: true}},
+		{"token", func(c *config) { c.API.Token = "new" }, reloadPlan{API: true, Provider: true}},
+		{"api timeout", func(c *config) { c.API.Timeout = time.Minute }, reloadPlan{API: true}},
+		{"services", func(c *config) { c.API.Services = []int{7} }, reloadPlan{Poll: true, Services: true}},
+		{"poll interval", func(c *config) { c.Poll.IPList = time.Minute }, reloadPlan{Poll: true}},
+		{"manage", func(c *config) { c.Manage.UpdateListShare = 0.5 }, reloadPlan{Poll: true}},
+		{"pool strategy", func(c *config) { c.Pool.Strategy = pool.Latency }, reloadPlan{Pool: true}},
+		{"listener timeout", func(c *config) {
+			c.Listener = append([]listenerConfig(nil), c.Listener...)
+			c.Listener[0].IdleTimeout = time.Minute
+		}, reloadPlan{Listeners: true}},
+		{"listener upstream protocol", func(c *config) {
+			c.Listener = append([]listenerConfig(nil), c.Listener...)
+			c.Listener[1].Upstream = "http" // the poller fetches other lists
+		}, reloadPlan{Listeners: true, Poll: true}},
+		{"admin address", func(c *config) { c.Admin.Address = "127.0.0.1:9999" }, reloadPlan{Admin: true, AdminMove: true}},
+		{"admin token", func(c *config) { c.Admin.Token = "t" }, reloadPlan{Admin: true}},
+		{"admin token file", func(c *config) { c.Admin.TokenFile = "/run/t" }, reloadPlan{Admin: true}},
+		{"state dir", func(c *config) { c.State.Dir = "/srv/x" }, reloadPlan{State: true}},
+		{"log format", func(c *config) { c.Log.Format = "json" }, reloadPlan{Log: true}},
+		{"shutdown", func(c *config) { c.Shutdown.DrainTimeout = time.Second }, reloadPlan{Shutdown: true}},
+	}
+	for _, c := range cases {
+		next := base
+		c.change(&next)
+		if got := planReload(base, next); got != c.want {
+			t.Errorf("%s: plan %+v, want %+v", c.name, got, c.want)
+		}
+	}
+	// A token file is read again at every reload, even when its name stays.
+	withFile := base
+	withFile.Admin.TokenFile = "/run/t"
+	if p := planReload(withFile, withFile); !p.Admin || p.AdminMove {
+		t.Errorf("admin token_file kept: plan %+v, want the token read again", p)
+	}
+}
+
+// TestReloadRefusedChangesNothing: a reload whose admin address cannot be
+// bound is refused whole: the pool keeps its strategy, the admin server its
+// address, the log its level; the refusal is an event and a metric.
+func TestReloadRefusedChangesNothing(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	oldAdmin := e.d.adminAddr()
+	next := e.cfg
+	next.Pool.Strategy = pool.Latency
+	next.Log.Level = "debug"
+	next.Admin.Address = busy.Addr().String()
+	if err := e.d.Reload(next); err == nil || !strings.Contains(err.Error(), "admin.address") {
+		t.Fatalf("reload onto a taken admin address: %v", err)
+	}
+	if got := e.d.pool.Config().Strategy; got != pool.RoundRobin {
+		t.Errorf("pool strategy after a refused reload: %q", got)
+	}
+	if e.d.adminAddr() != oldAdmin {
+		t.Errorf("admin moved to %s after a refused reload", e.d.adminAddr())
+	}
+	if e.d.logs.level.Level() != logLevel("info") {
+		t.Error("the log level changed after a refused reload")
+	}
+	if code, body := e.admin("/metrics"); code != 200 || !strings.Contains(body, "proxyd_config_last_reload_successful 0") {
+		t.Errorf("reload metric: %d %s", code, grepLines(body, "reload"))
+	}
+	if evs := e.d.events.Events(pool.EventFilter{Kind: pool.EventReloadFailed}); len(evs) != 1 || !strings.Contains(evs[0].Reason, "admin.address") {
+		t.Errorf("reload_failed events: %+v", evs)
+	}
+	// A state dir the process cannot write is refused the same way.
+	ro := filepath.Join(t.TempDir(), "ro")
+	os.Mkdir(ro, 0o500)
+	next = e.cfg
+	next.State.Dir = filepath.Join(ro, "state")
+	if os.Geteuid() != 0 { // root writes anywhere
+		if err := e.d.Reload(next); err == nil || !strings.Contains(err.Error(), "state.dir") {
+			t.Errorf("reload onto an unwritable state dir: %v", err)
+		}
+	}
+	// And a credential the process cannot see change.
+	envCfg := e.cfg
+	envCfg.API.Token = "other"
+	if err := e.d.Reload(envCfg); err == nil || !strings.Contains(err.Error(), "PROXYD_API_TOKEN") {
+		t.Errorf("reload changing the token while PROXYD_API_TOKEN is set: %v", err)
+	}
+}
+
+// tokenGate fronts a simulated provider with a different API token: it
+// accepts only "Authorization: Basic token" and passes requests on with the
+// simulator's own token.
+func tokenGate(t *testing.T, simURL, token string) string {
+	t.Helper()
+	target, _ := url.Parse(simURL)
+	rp := httputil.NewSingleHostReverseProxy(target)
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Basic "+token {
+			w.WriteHeader(401)
+			io.WriteString(w, `{"error":"Unauthenticated."}`)
+			return
+		}
+		r.Header.Set("Authorization", "Basic "+providersim.DefaultToken)
+		rp.ServeHTTP(w, r)
+	})}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return "http://" + ln.Addr().String()
+}
+
+// reloadConfig is the config file of TestReloadEverySection.
+type reloadConfig struct {
+	baseURL, tokenFile, stateDir, strategy, admin, logFormat, listen string
+}
+
+func (c reloadConfig) write(t *testing.T, path string) {
+	t.Helper()
+	text := fmt.Sprintf(`[api]
+base_url = %q
+token_file = %q
+services = [101, 102]
+
+[poll]
+ip_list = "1h"
+account = "1h"
+network_status = "1s"
+usage = "1s"
+max_backoff = "2s"
+
+[state]
+dir = %q
+
+[pool]
+strategy = %q
+latency_tolerance = 0.0
+
+[admin]
+address = %q
+
+[log]
+format = %q
+
+[shutdown]
+drain_timeout = "20s"
+
+[[listener]]
+name = "http"
+protocol = "http"
+address = %q
+kind = "fpr"
+allow_destinations = ["127.0.0.0/8"]
+`, c.baseURL, c.tokenFile, c.stateDir, c.strategy, c.admin, c.logFormat, c.listen)
+	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+var viaRE = regexp.MustCompile(` via (\S+)`)
+
+// TestReloadEverySection runs the real binary and reloads each section with
+// SIGHUP while plain requests flow and a tunnel stays open: a new strategy
+// changes the picks and keeps the health state of upstreams that stay; a
+// moved admin address serves while the old one stops; a new log format and
+// state dir take effect; a new [api] base_url and token switch the pool to
+// the new provider's upstreams within one poll. The tunnel opened before
+// the first reload loses no byte, and no request fails.
+func TestReloadEverySection(t *testing.T) {
+	bin := proxydBinary(t)
+	a, b := newWorld(t), newWorld(t)
+	bURL := tokenGate(t, b.simURL, "token-for-b")
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	os.WriteFile(tokenFile, []byte(providersim.DefaultToken+"\n"), 0o600)
+	cfgPath := filepath.Join(dir, "config.toml")
+	cfg := reloadConfig{baseURL: a.simURL, tokenFile: tokenFile, stateDir: filepath.Join(dir, "state1"),
+		strategy: "round-robin", admin: freePort(t), logFormat: "text", listen: freePort(t)}
+	cfg.write(t, cfgPath)
+
+	cmd := exec.Command(bin, "run", "-config", cfgPath)
+	cmd.Env = os.Environ()
+	stderr := &lockedWriter{w: &bytes.Buffer{}}
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-exited
+		if t.Failed() {
+			t.Logf("proxyd stderr:\n%s", stderr.String())
+		}
+	})
+	adminGet := func(addr, path string) (int, string) {
+		c := &http.Client{Timeout: 5 * time.Second}
+		resp, err := c.Get("http://" + addr + path)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	poolOf := func() pool.Explanation {
+		t.Helper()
+		code, body := adminGet(cfg.admin, "/pool")
+		var ex pool.Explanation
+		if code != 200 || json.Unmarshal([]byte(body), &ex) != nil {
+			t.Fatalf("/pool: %d %s", code, body)
+		}
+		return ex
+	}
+	waitFor(t, "readyz", 15*time.Second, func() bool { code, _ := adminGet(cfg.admin, "/readyz"); return code == 200 })
+
+	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+		Proxy: http.ProxyURL(mustURL("http://" + cfg.listen)), DisableKeepAlives: true}}
+	carrier := func() (string, error) {
+		resp, err := client.Get("http://" + a.origin + "/hello")
+		if err != nil {
+			return "", err
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		m := viaRE.FindStringSubmatch(string(body))
+		if resp.StatusCode != 200 || m == nil {
+			return "", fmt.Errorf("status %d: %s", resp.StatusCode, body)
+		}
+		return m[1], nil
+	}
+	carriers := func(n int) map[string]int {
+		t.Helper()
+		seen := map[string]int{}
+		for range n {
+			c, err := carrier()
+			if err != nil {
+				t.Fatalf("request: %v", err)
+			}
+			seen[c]++
+		}
+		return seen
+	}
+
+	// Traffic that flows through every reload.
+	var fails, oks atomic.Int64
+	var lastErr atomic.Value
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := carrier(); err != nil {
+				fails.Add(1)
+				lastErr.Store(err.Error())
+			} else {
+				oks.Add(1)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	defer func() { close(stop); wg.Wait() }()
+	var tunnel net.Conn // opened before the first reload, once the dead upstream is out
+
+	reload := func(what string) {
+		t.Helper()
+		cfg.write(t, cfgPath)
+		before := strings.Count(stderr.String(), "config reloaded")
+		cmd.Process.Signal(syscall.SIGHUP)
+		waitFor(t, "the reload of "+what, 10*time.Second, func() bool {
+			return strings.Count(stderr.String(), "config reloaded") > before
+		})
+		roundTrip(t, tunnel, "after "+what)
+	}
+
+	// Round-robin spreads sequential requests over the three fpr upstreams.
+	if seen := carriers(6); len(seen) < 2 {
+		t.Fatalf("round-robin used %v", seen)
+	}
+	// One upstream fails until it is ejected: health state to keep.
+	a.fprHTTP[0].Down()
+	downAddr := a.fprHTTP[0].Addr()
+	ejected := func() (pool.UpstreamExplanation, bool) {
+		for _, u := range poolOf().Upstreams {
+			if u.Address == downAddr && u.Protocol == pool.HTTP {
+				return u, u.State == pool.Ejected
+			}
+		}
+		return pool.UpstreamExplanation{}, false
+	}
+	waitFor(t, "the dead upstream ejected", 15*time.Second, func() bool {
+		carrier()
+		_, ok := ejected()
+		return ok
+	})
+	before, _ := ejected()
+	tunnel = connectTunnel(t, cfg.listen, echoServer(t))
+	defer tunnel.Close()
+	roundTrip(t, tunnel, "before")
+
+	// [pool]: latency with tolerance 0 sends sequential requests to the one
+	// best upstream; the ejected upstream stays ejected with its count.
+	cfg.strategy = "latency"
+	reload("[pool] strategy")
+	if seen := carriers(6); len(seen) != 1 {
+		t.Errorf("latency strategy after reload used %v, want one upstream", seen)
+	}
+	if u, ok := ejected(); !ok || u.Ejections != before.Ejections || u.Failures < before.Failures {
+		t.Errorf("health state after reload: %+v, before %+v", u, before)
+	}
+
+	// [admin]: the new address serves, then the old one stops.
+	oldAdmin := cfg.admin
+	cfg.admin = freePort(t)
+	reload("[admin] address")
+	if code, _ := adminGet(cfg.admin, "/healthz"); code != 200 {
+		t.Errorf("new admin address: %d", code)
+	}
+	waitFor(t, "the old admin address to stop", 5*time.Second, func() bool {
+		c, err := net.DialTimeout("tcp", oldAdmin, time.Second)
+		if err != nil {
+			return true
+		}
+		c.Close()
+		return false
+	})
+
+	// [log] and [state]: JSON lines from now on; the state saved in the new dir.
+	cfg.logFormat = "json"
+	cfg.stateDir = filepath.Join(dir, "state2")
+	reload("[log] format and [state] dir")
+	waitFor(t, "the state saved in the new dir", 10*time.Second, func() bool {
+		_, err := os.Stat(filepath.Join(cfg.stateDir, stateFileName))
+		return err == nil
+	})
+	if !strings.Contains(stderr.String(), `{"time":`) {
+		t.Error("no JSON log line after the format reload")
+	}
+
+	// [api]: another provider, with another token read from the token file.
+	os.WriteFile(tokenFile, []byte("token-for-b\n"), 0o600)
+	cfg.baseURL = bURL
+	reload("[api] base_url and token")
+	bAddrs := map[string]bool{}
+	for _, p := range b.fprHTTP {
+		bAddrs[p.Addr()] = true
+	}
+	waitFor(t, "the pool on the new provider's upstreams", 10*time.Second, func() bool {
+		n := 0
+		for _, u := range poolOf().Upstreams {
+			if u.Protocol != pool.HTTP || u.Kind != pool.FPR || u.State == pool.Draining {
+				continue
+			}
+			if !bAddrs[u.Address] {
+				return false
+			}
+			n++
+		}
+		return n == len(bAddrs)
+	})
+	roundTrip(t, tunnel, "at the end")
+	if n := fails.Load(); n > 0 {
+		t.Errorf("%d requests failed across the reloads (%d ok); last: %v", n, oks.Load(), lastErr.Load())
+	}
+	if oks.Load() == 0 {
+		t.Error("no request went through: the traffic check proves nothing")
+	}
+}
