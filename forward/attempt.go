@@ -231,8 +231,8 @@ func loopCause(ctx context.Context) (what, bool) {
 // tryResult is what one attempt hands back to the loop.
 type tryResult struct {
 	h    happened
-	err  error         // the failure behind h, for the debug log
-	conn net.Conn      // a tunnel: the connection to the destination
+	err  error          // the failure behind h, for the debug log
+	conn net.Conn       // a tunnel: the connection to the destination
 	resp *http.Response // a plain request: the answer (its body still to read)
 	// took is how long the attempt took (dial and handshake when it dialed).
 	took   time.Duration

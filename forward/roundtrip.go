@@ -225,8 +225,8 @@ type replayBody struct {
 	inflight atomic.Int32
 	bad      atomic.Bool // reading the client's body failed or stalled: the client's fault
 	cur      *bodyAttempt
-	j        *job        // whose response clock pauses while the client is waited for
-	client   net.Conn    // the client's connection, whose reads idle bounds
+	j        *job     // whose response clock pauses while the client is waited for
+	client   net.Conn // the client's connection, whose reads idle bounds
 	idle     time.Duration
 }
 
