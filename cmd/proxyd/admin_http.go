@@ -203,7 +203,7 @@ func parsePoolFilter(r *http.Request) (poolFilter, error) {
 	return f, nil
 }
 
-// apply narrows ex to the filter; ok is false for an unknown listener.
+// filterPool narrows ex to the filter; ok is false for an unknown listener.
 func (d *daemon) filterPool(ex pool.Explanation, f poolFilter) (pool.Explanation, bool) {
 	if f.service != 0 {
 		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return u.Service != f.service })
