@@ -448,3 +448,35 @@ func textOf(n *html.Node) string {
 	walk(n)
 	return strings.TrimSpace(b.String())
 }
+
+// TestStatusPageFilters: the page takes /pool's filters.
+func TestStatusPageFilters(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	code, body := e.admin("/?service=102&listener=http&state=")
+	if code != 200 {
+		t.Fatalf("GET /?service=102&listener=http: %d %s", code, body)
+	}
+	if !strings.Contains(body, `id="service-102"`) || strings.Contains(body, `id="service-101"`) {
+		t.Error("?service=102 shows other services' upstreams, or not its own")
+	}
+	if strings.Contains(body, `data-listener="socks"`) || !strings.Contains(body, `data-listener="http"`) {
+		t.Error("?listener=http shows other listeners, or not its own")
+	}
+	if strings.Contains(body, `data-id="102/socks5/`) || !strings.Contains(body, `data-id="102/http/`) {
+		t.Error("?listener=http shows SOCKS5 upstreams, or not the HTTP ones")
+	}
+	if !strings.Contains(body, `<option selected>102</option>`) {
+		t.Error("the filter form does not show the service in force")
+	}
+	for q, want := range map[string]int{"?state=bogus": 400, "?service=x": 400, "?listener=nope": 404, "/nothing": 404} {
+		path := "/" + q
+		if strings.HasPrefix(q, "/") {
+			path = q
+		}
+		if code, _ := e.admin(path); code != want {
+			t.Errorf("GET %s: %d, want %d", path, code, want)
+		}
+	}
+}
