@@ -383,8 +383,9 @@ func (d *daemon) alive(maxAge time.Duration) (bool, string) {
 	return true, ""
 }
 
-// apply turns an agent snapshot into pool updates (DESIGN.md §2) and saves
-// the state. Services whose lists are not known yet keep the upstreams the
+// apply turns an agent snapshot into pool updates (the upstreams each
+// service's lists and sticky sessions give, provider status, usage) and
+// saves the state. Services whose lists are not known yet keep the upstreams the
 // pool has (from the state file), so a partial first poll never empties it.
 //
 // The poll loops call it concurrently; applying one at a time, and always

@@ -1,6 +1,6 @@
 // Command proxyd is a local forwarding proxy daemon for customers of a proxy
 // reseller: it keeps a healthy pool of the provider's upstream proxies and
-// serves HTTP and SOCKS5 listeners through it. See README.md and DESIGN.md.
+// serves HTTP and SOCKS5 listeners through it. See README.md.
 //
 // This file holds flags, signals and the subcommand switch; the daemon itself
 // is wired in daemon.go.
