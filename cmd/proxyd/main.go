@@ -23,12 +23,15 @@ const usage = `proxyd — a local proxy daemon over a proxy provider's pool
 
 Usage:
   proxyd run     [-config FILE]   run the daemon (default config /etc/proxyd/config.toml)
-  proxyd check   [-config FILE]   validate the config; print every problem; exit 1 if any
+  proxyd check   [-config FILE] [-print]
+                                  validate the config; print every problem; exit 1 if any;
+                                  -print: the effective configuration as TOML (secrets hidden)
   proxyd demo    [-http ADDR] [-socks ADDR] [-admin ADDR]
                                   everything on this machine, simulated provider included
   proxyd api     [-config FILE | -base-url URL] [-json] COMMAND ...
                                   every provider API endpoint (proxyd api -h lists them)
-  proxyd pool    [-admin ADDR] [-json]   the live pool of a running daemon
+  proxyd pool    [-admin ADDR] [-json] [-events]
+                                  the live pool of a running daemon, or its event log
   proxyd version
 `
 
