@@ -168,22 +168,28 @@ func (c Config) Validate() error {
 	case "":
 		fail("protocol: required")
 	default:
-		fail("protocol: %q is neither %q nor %q", c.Protocol, ProtocolHTTP, ProtocolSOCKS5)
+		fail("protocol: must be http or socks5, got %q", c.Protocol)
 	}
 	host, hostOK := "", false
 	if c.Address == "" {
-		fail("address: required")
+		fail("address: required, e.g. \"127.0.0.1:8080\"")
 	} else if h, _, err := net.SplitHostPort(c.Address); err != nil {
-		fail("address: %v", err)
+		fail("address: must be host:port: %v", err)
 	} else {
 		host, hostOK = h, true
 	}
 	for i, u := range c.Users {
 		switch {
 		case u.Name == "":
-			fail("user[%d].name: empty", i)
+			fail("user[%d].name: required", i)
 		case strings.ContainsAny(u.Name, ":\x00"):
 			fail("user[%d].name: must not contain ':' or NUL", i)
+		case strings.Contains(u.Name, "-session-") || strings.HasPrefix(u.Name, "session-"):
+			// "<user>-session-<key>" must split one way only.
+			fail("user[%d].name: must not contain \"-session-\" nor start with \"session-\"", i)
+		}
+		if u.Password == "" {
+			fail("user[%d].password: required", i)
 		}
 		if len(u.Name) > 255 || len(u.Password) > 255 {
 			fail("user[%d]: name and password must be at most 255 bytes (RFC 1929)", i)
@@ -227,7 +233,7 @@ func (c Config) Validate() error {
 		fail("max_connections: must be positive, got %d", c.MaxConnections)
 	}
 	if hostOK && !IsLoopbackHost(host) && len(c.Users) == 0 && len(c.Allow) == 0 {
-		fail("address: %q is not loopback; set users or allow (a client allow-list)", c.Address)
+		fail("address: %s is not a loopback address: configure [[listener.user]] or allow", c.Address)
 	}
 	return errors.Join(errs...)
 }

@@ -28,11 +28,14 @@ func TestConfigValidate(t *testing.T) {
 		{testConfig(func(c *Config) { c.Address = "localhost:8080" }), ""},
 		{testConfig(func(c *Config) { c.Protocol = "socks4" }), `protocol: "socks4"`},
 		{testConfig(func(c *Config) { c.Address = "nonsense" }), "address:"},
-		{testConfig(func(c *Config) { c.Address = "0.0.0.0:8080" }), `address: "0.0.0.0:8080" is not loopback; set users or allow`},
-		{testConfig(func(c *Config) { c.Address = ":8080" }), "is not loopback"},
+		{testConfig(func(c *Config) { c.Address = "0.0.0.0:8080" }), "address: 0.0.0.0:8080 is not a loopback address: configure [[listener.user]] or allow"},
+		{testConfig(func(c *Config) { c.Address = ":8080" }), "is not a loopback address"},
 		{testConfig(func(c *Config) { c.Address = "192.0.2.1:8080"; c.Users = []User{{"a", "b"}} }), ""},
 		{testConfig(func(c *Config) { c.Address = "0.0.0.0:8080"; c.Allow = []Network{MustParseNetwork("10.0.0.0/8")} }), ""},
-		{testConfig(func(c *Config) { c.Users = []User{{"", "b"}} }), "user[0].name: empty"},
+		{testConfig(func(c *Config) { c.Users = []User{{"", "b"}} }), "user[0].name: required"},
+		{testConfig(func(c *Config) { c.Users = []User{{"a", ""}} }), "user[0].password: required"},
+		{testConfig(func(c *Config) { c.Users = []User{{"a-session-b", "p"}} }), `user[0].name: must not contain "-session-"`},
+		{testConfig(func(c *Config) { c.Users = []User{{"session-b", "p"}} }), `nor start with "session-"`},
 		{testConfig(func(c *Config) { c.Users = []User{{"a:b", "b"}} }), "user[0].name: must not contain"},
 		{testConfig(func(c *Config) { c.Users = []User{{"a", "b"}, {"a", "c"}} }), `user[1].name: "a" listed twice`},
 		{testConfig(func(c *Config) { c.Users = []User{{"a", strings.Repeat("x", 256)}} }), "at most 255 bytes"},
@@ -86,7 +89,7 @@ func TestConfigValidateAll(t *testing.T) {
 	for _, e := range j.Unwrap() {
 		got = append(got, e.Error())
 	}
-	want := []string{`protocol: "socks4" is neither "http" nor "socks5"`, "retry_timeout: must be positive, got 0s", "max_connections: must be positive, got 0"}
+	want := []string{`protocol: must be http or socks5, got "socks4"`, "retry_timeout: must be positive, got 0s", "max_connections: must be positive, got 0"}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Errorf("problems %q, want %q", got, want)
 	}
