@@ -119,7 +119,7 @@ func (c Config) Validate() error {
 	} else {
 		switch {
 		case u.Scheme != "http" && u.Scheme != "https":
-			bad("base_url", "%q: scheme must be http or https", u.Redacted())
+			bad("base_url", "must start with https:// or http://")
 		case u.Host == "":
 			bad("base_url", "%q: no host", u.Redacted())
 		case u.User != nil:
@@ -137,12 +137,15 @@ func (c Config) Validate() error {
 	if strings.ContainsAny(c.Password, "\r\n") {
 		bad("password", "must not hold a line break")
 	}
+	if c.Password != "" && c.PasswordFile != "" {
+		bad("password_file", "set either password or password_file, not both")
+	}
 	if c.Login != "" && c.Password == "" && c.PasswordFile == "" && c.Token == "" && c.TokenFile == "" {
 		bad("login", "is set without a password: set password or password_file")
 	}
 	for i, id := range c.Services {
 		if id <= 0 {
-			bad("services", "element %d: service IDs are positive, got %d", i, id)
+			bad(fmt.Sprintf("services[%d]", i), "service IDs are positive numbers, got %d", id)
 		}
 	}
 	switch {

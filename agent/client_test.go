@@ -84,7 +84,7 @@ func TestConfigValidate(t *testing.T) {
 		{"token with space", func(c *Config) { c.Token = "abc def" }, "whitespace"},
 		{"token with newline", func(c *Config) { c.Token = "abc\r\n" }, "whitespace"},
 		{"login with colon", func(c *Config) { c.Login = "a:b"; c.Password = "p" }, "colon"},
-		{"bad scheme", func(c *Config) { c.Token = "t"; c.BaseURL = "ftp://x" }, "scheme"},
+		{"bad scheme", func(c *Config) { c.Token = "t"; c.BaseURL = "ftp://x" }, "must start with https:// or http://"},
 		{"no host", func(c *Config) { c.Token = "t"; c.BaseURL = "http://" }, "no host"},
 		{"creds in url", func(c *Config) { c.Token = "t"; c.BaseURL = "https://u:pw@api.example" }, "not in the URL"},
 		{"query", func(c *Config) { c.Token = "t"; c.BaseURL = "https://api.example/?a=1" }, "query"},

@@ -63,7 +63,7 @@ func TestValidateReportsEveryProblemByKey(t *testing.T) {
 	if got, want := splitJoined(c.Validate()), []string{
 		"base_url: must be set",
 		"token: holds whitespace or control characters",
-		"services: element 1: service IDs are positive, got -1",
+		"services[1]: service IDs are positive numbers, got -1",
 		"timeout: must be more than 0s",
 	}; !slices.Equal(got, want) {
 		t.Errorf("Config.Validate:\n got %q\nwant %q", got, want)
