@@ -43,12 +43,14 @@ func TestConfigFiles(t *testing.T) {
 			`pool.strategy: must be round-robin, random, least-conn or latency, got "fastest"`,
 			`log.format: must be text or json, got "xml"`,
 			"admin.address: 0.0.0.0:9900 is not a loopback address: set admin.token or admin.token_file",
+			// A listener's forwarding keys (forward.Config) first, then the keys
+			// and cross-listener rules the daemon adds.
 			`listener[0].protocol: must be http or socks5, got "https"`,
+			"listener[0].address: must be host:port: address 127.0.0.1: missing port in address",
 			`listener[0].upstream: must be http or socks5, got "https"`,
 			`listener[0].kind: must be "fpr", "ppr" or "", got "static"`,
-			"listener[0].address: must be host:port: address 127.0.0.1: missing port in address",
-			`listener[1].name: "a" is already the name of listener[0]`,
 			"listener[1].address: 0.0.0.0:1080 is not a loopback address: configure [[listener.user]] or allow",
+			`listener[1].name: "a" is already the name of listener[0]`,
 		},
 		"explicit_zeros.toml": {
 			"api.timeout: must be more than 0s",
