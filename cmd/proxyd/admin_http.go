@@ -243,7 +243,11 @@ func (d *daemon) servePool(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "unknown listener", http.StatusNotFound)
 		return
 	}
-	writeJSON(w, ex)
+	ans := poolAnswer{Explanation: ex}
+	if snap := d.poller.Snapshot(); snap.CreditKnown || snap.InvoicesKnown {
+		ans.Account = &accountSummary{CreditUSD: snap.Credit, UnpaidInvoices: snap.UnpaidInvoices, UnpaidUSD: snap.UnpaidUSD}
+	}
+	writeJSON(w, ans)
 }
 
 func writeJSON(w http.ResponseWriter, v any) {

@@ -548,6 +548,11 @@ func TestDaemonPoolEndpointAndCommand(t *testing.T) {
 	if rc != 0 || !strings.Contains(out, "LISTENER") || !strings.Contains(out, "101/http/") {
 		t.Errorf("proxyd pool: %d %s %s", rc, out, errOut)
 	}
+	// The account's standing closes the table: the simulated account has
+	// one unpaid invoice.
+	if want := "account: credit 100.00 USD; 1 unpaid invoice (20.50 USD): pay before the provider suspends services\n"; !strings.HasSuffix(out, want) {
+		t.Errorf("proxyd pool does not end with %q:\n%s", want, out)
+	}
 	// The filters reach /pool.
 	rc, out, errOut = poolCmd("-service", "102", "-listener", "http")
 	if rc != 0 || !strings.Contains(out, "102/http/") || strings.Contains(out, "101/") || strings.Contains(out, "socks") {

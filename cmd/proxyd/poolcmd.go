@@ -68,11 +68,11 @@ func cmdPool(ctx context.Context, args []string, io stdio) int {
 			err = renderEvents(io.out, ev, time.Now())
 		}
 	} else {
-		var ex pool.Explanation
-		if err = json.Unmarshal(body, &ex); err != nil {
+		var ans poolAnswer
+		if err = json.Unmarshal(body, &ans); err != nil {
 			err = fmt.Errorf("decoding /pool: %w", err)
-		} else {
-			err = renderPool(io.out, ex, time.Now())
+		} else if err = renderPool(io.out, ans.Explanation, time.Now()); err == nil && ans.Account != nil {
+			err = renderAccount(io.out, *ans.Account)
 		}
 	}
 	if err != nil {
@@ -202,4 +202,35 @@ func renderEvents(w io.Writer, ev eventsAnswer, now time.Time) error {
 	}
 	fmt.Fprintf(w, "\n%d %s\n", len(ev.Events), noun)
 	return nil
+}
+
+// poolAnswer is GET /pool: the pool's explanation and, once the account is
+// known, its standing (an unpaid invoice is how services get suspended, which
+// takes their upstreams away).
+type poolAnswer struct {
+	pool.Explanation
+	Account *accountSummary `json:"account,omitempty"`
+}
+
+type accountSummary struct {
+	CreditUSD      float64 `json:"credit_usd"`
+	UnpaidInvoices int     `json:"unpaid_invoices"`
+	UnpaidUSD      float64 `json:"unpaid_usd"`
+}
+
+// renderAccount is the summary line of the account under the pool table.
+func renderAccount(w io.Writer, a accountSummary) error {
+	var err error
+	switch a.UnpaidInvoices {
+	case 0:
+		_, err = fmt.Fprintf(w, "account: credit %.2f USD; no unpaid invoice\n", a.CreditUSD)
+	default:
+		noun := "invoices"
+		if a.UnpaidInvoices == 1 {
+			noun = "invoice"
+		}
+		_, err = fmt.Fprintf(w, "account: credit %.2f USD; %d unpaid %s (%.2f USD): pay before the provider suspends services\n",
+			a.CreditUSD, a.UnpaidInvoices, noun, a.UnpaidUSD)
+	}
+	return err
 }
