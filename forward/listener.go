@@ -66,8 +66,6 @@ type Listener struct {
 	closed    bool                  // Close: no new goroutines
 	wg        sync.WaitGroup        // goroutines started by spawn
 	active    atomic.Int64
-	largeBufs atomic.Int64  // large relay buffers and pipes in use (relay.go)
-	pipes     pipeCache     // empty pipes for splicing (splice_linux.go)
 	fresh     atomic.Int64  // HTTP connections whose first request is not read yet
 	accepting chan struct{} // closed when Serve's accept loop ended; nil before Serve
 	rejects   atomic.Int64  // cap-rejection goroutines running
@@ -291,7 +289,6 @@ func (l *Listener) closeAll() {
 	if l.plain != nil {
 		l.plain.close()
 	}
-	l.pipes.close()
 }
 
 // spawn runs f in a goroutine the listener waits for, unless it is closed.

@@ -1,166 +1,109 @@
 package forward
 
 import (
-	"sync"
+	"errors"
+	"io"
+	"net"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// A direction that moves bulk data between two TCP sockets passes it
-// through a kernel pipe (splice(2)): the pages the bytes arrived in go on to
-// the other socket without being copied into proxyd and out again. With 16
-// bulk tunnels at once on 2 cores that halved proxyd's CPU per byte
-// (BENCHMARKS.md). At the pace of one stream that proxyd keeps up with,
-// reads are 32–128 KiB, and there splicing costs everyone more than copying:
-// the client gets the bytes in the upstream's small pieces and the upstream
-// cannot reuse its send pages while they travel on. So a direction splices
-// only while it has a backlog (a read filled a large buffer, and each splice
-// keeps moving at least spliceMin), and gives the pipe back as soon as the
-// backlog is gone: an idle direction holds no pipe.
-const (
-	pipeSize       = 1 << 20
-	spliceMin      = 256 << 10
-	maxCachedPipes = 16 // per listener
-)
+// On Linux, io.Copy between two *net.TCPConn splices: the bytes go from one
+// socket through a kernel pipe to the other without being copied into
+// proxyd and out again. But a splice that waits for its source holds its
+// pipe (two file descriptors) all the while, so a plain io.Copy costs an
+// idle tunnel four descriptors more than its two sockets. pumpTCP therefore
+// waits for src to be readable first, holding nothing, and then splices
+// exactly the bytes queued, which never waits for src.
 
-// splicePipe is a kernel pipe holding n bytes on their way to the destination.
-type splicePipe struct {
-	r, w int
-	n    int
-}
-
-func newPipe() *splicePipe {
-	var fds [2]int
-	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
-		return nil
+// pumpTCP is pump for a TCP src: wait until src has bytes (or its EOF),
+// then io.Copy exactly those bytes, which splices when dst is TCP too.
+func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
+	rc, err := src.SyscallConn()
+	if err != nil {
+		return t.pumpBuffered(dst, src)
 	}
-	p := &splicePipe{r: fds[0], w: fds[1]}
-	// Fails past the user's pipe-page limit (fs.pipe-user-pages-soft)
-	// unless proxyd runs with CAP_SYS_RESOURCE; the direction then copies.
-	if _, err := unix.FcntlInt(uintptr(p.w), unix.F_SETPIPE_SZ, pipeSize); err != nil {
-		p.close()
-		return nil
-	}
-	return p
-}
-
-func (p *splicePipe) close() {
-	_ = unix.Close(p.r)
-	_ = unix.Close(p.w)
-}
-
-// pipeCache keeps a listener's empty pipes for the next bulk transfer; the
-// listener closes them when it closes.
-type pipeCache struct {
-	mu     sync.Mutex
-	free   []*splicePipe
-	closed bool
-}
-
-// get returns an empty pipe, or nil when none can be made.
-func (c *pipeCache) get() *splicePipe {
-	c.mu.Lock()
-	if n := len(c.free); n > 0 {
-		p := c.free[n-1]
-		c.free = c.free[:n-1]
-		c.mu.Unlock()
-		return p
-	}
-	c.mu.Unlock()
-	return newPipe()
-}
-
-// put keeps an empty pipe; a pipe still holding bytes (a transfer that
-// ended in an error) is closed.
-func (c *pipeCache) put(p *splicePipe) {
-	c.mu.Lock()
-	if p.n == 0 && !c.closed && len(c.free) < maxCachedPipes {
-		c.free = append(c.free, p)
-		p = nil
-	}
-	c.mu.Unlock()
-	if p != nil {
-		p.close()
-	}
-}
-
-func (c *pipeCache) close() {
-	c.mu.Lock()
-	free := c.free
-	c.free, c.closed = nil, true
-	c.mu.Unlock()
-	for _, p := range free {
-		p.close()
-	}
-}
-
-// splice moves src to dst through p while src has a backlog. It never waits
-// for src: when src has less than spliceMin queued it returns, and the pump
-// goes back to waiting on src without holding p. It waits for dst as a
-// write would, and keeps src's idle deadline current.
-func (t *tunnel) splice(dst, src syscall.RawConn, p *splicePipe, deadline *readDeadline) (int64, spliceResult) {
+	w := &queueWait{}
+	w.fn = w.check
+	deadline := readDeadline{conn: src, idle: t.idle}
+	lr := &io.LimitedReader{R: src}
 	var n int64
 	for {
 		deadline.arm()
-		var (
-			in    int64
-			errno error
-		)
-		if err := src.Read(func(fd uintptr) bool {
-			in, errno = spliceEINTR(int(fd), p.w, pipeSize)
-			return true
-		}); err != nil {
-			return n, spliceFailed
+		w.queued, w.err = 0, nil
+		err := rc.Read(w.fn)
+		if err == nil {
+			err = w.err
 		}
-		switch {
-		case errno == syscall.EAGAIN:
-			return n, spliceCaughtUp
-		case errno != nil:
-			return n, spliceFailed
-		case in == 0:
-			return n, spliceEOF
-		}
-		p.n = int(in)
-		if err := dst.Write(func(fd uintptr) bool {
-			for p.n > 0 {
-				out, e := spliceEINTR(p.r, int(fd), p.n)
-				if e == syscall.EAGAIN {
-					return false
-				}
-				if e != nil {
-					errno = e
-					return true
-				}
-				p.n -= int(out)
-				n += out
+		if err != nil {
+			if t.stillActive(src, err) {
+				deadline.last = time.Time{}
+				continue
 			}
-			return true
-		}); err != nil || errno != nil {
-			return n, spliceFailed
+			t.closeBoth()
+			return n
 		}
-		t.spliced.Add(in)
+		if w.queued == 0 {
+			t.halfClose(dst)
+			return n
+		}
+		lr.N = int64(w.queued)
+		m, err := copyQueued(dst, lr)
+		n += m
 		t.touch()
-		if in < spliceMin {
-			return n, spliceCaughtUp
+		if err != nil {
+			t.closeBoth()
+			return n
 		}
 	}
 }
 
-// spliceEINTR splices n bytes (again on EINTR) with a raw system call, as
-// rawRead reads: the call never waits (the sockets and the pipe are
-// non-blocking), and through the scheduler's system-call path a splice of a
-// whole backlog was long enough for the runtime's monitor to hand the
-// processor to another thread each time.
-func spliceEINTR(from, to, n int) (int64, error) {
+// copyQueued copies what lr allows: by splicing when dst is TCP, else
+// through a pooled buffer (io.Copy would allocate one per call).
+func copyQueued(dst net.Conn, lr *io.LimitedReader) (int64, error) {
+	if d, ok := dst.(*net.TCPConn); ok {
+		return d.ReadFrom(lr)
+	}
+	bp := copyBufs.Get().(*[]byte)
+	defer copyBufs.Put(bp)
+	return io.CopyBuffer(struct{ io.Writer }{dst}, lr, *bp)
+}
+
+// queueWait is the check a direction makes inside src's readiness wait,
+// kept on the heap with its function value so that a wait allocates
+// nothing.
+type queueWait struct {
+	fn     func(fd uintptr) bool
+	peek   [1]byte
+	queued int // bytes waiting; 0 with err nil: EOF
+	err    error
+}
+
+// check reports whether src has something for the direction: bytes queued,
+// an EOF or an error. Bytes are counted with SIOCINQ; only when none are
+// queued does a one-byte peek tell EOF and errors from "nothing yet", so a
+// bulk direction pays one system call per turn beyond the splice itself.
+func (w *queueWait) check(fd uintptr) bool {
+	if q, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil && q > 0 {
+		w.queued = q
+		return true
+	}
 	for {
-		r1, _, e := syscall.RawSyscall6(unix.SYS_SPLICE, uintptr(from), 0, uintptr(to), 0, uintptr(n), unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
-		switch e {
-		case 0:
-			return int64(r1), nil
-		case syscall.EINTR:
-		default:
-			return 0, e
+		n, _, err := unix.Recvfrom(int(fd), w.peek[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		switch {
+		case errors.Is(err, syscall.EINTR):
+			continue
+		case errors.Is(err, syscall.EAGAIN):
+			return false
+		case err != nil:
+			w.err = &net.OpError{Op: "read", Net: "tcp", Err: err}
+		case n > 0:
+			// SIOCINQ said nothing (urgent data, or a race): move at least
+			// the byte seen.
+			w.queued = 1
 		}
+		return true
 	}
 }

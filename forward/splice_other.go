@@ -2,18 +2,10 @@
 
 package forward
 
-import "syscall"
+import "net"
 
-// Splicing is Linux's (splice_linux.go); elsewhere every direction copies.
-
-type splicePipe struct{ n int }
-
-type pipeCache struct{}
-
-func (*pipeCache) get() *splicePipe { return nil }
-func (*pipeCache) put(*splicePipe)  {}
-func (*pipeCache) close()           {}
-
-func (t *tunnel) splice(_, _ syscall.RawConn, _ *splicePipe, _ *readDeadline) (int64, spliceResult) {
-	return 0, spliceCaughtUp
+// Elsewhere io.Copy between TCP sockets copies through a buffer as well,
+// so a TCP direction is pumped like any other.
+func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
+	return t.pumpBuffered(dst, src)
 }
