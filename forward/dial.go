@@ -81,9 +81,6 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 	if derr != nil {
 		return nil, derr
 	}
-	// The handshake and then the relay read and write with raw system
-	// calls (rawio.go).
-	c = withRawIO(c)
 	deadline := time.Now().Add(d.handshakeTimeout)
 	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
 		deadline = dl

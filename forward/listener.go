@@ -18,7 +18,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -369,12 +368,9 @@ func (a *acceptor) Accept() (net.Conn, error) {
 			l.rejectOverCap(c)
 			continue
 		}
-		cc := &clientConn{Conn: c, l: l, rw: c, local: loopbackPeer(c)}
+		cc := &clientConn{Conn: c, l: l, local: loopbackPeer(c)}
 		if !cc.local {
 			keepAlive(c)
-		}
-		if r := newRawIO(c); r != nil {
-			cc.rw = r
 		}
 		l.mu.Lock()
 		if l.closed {
@@ -478,18 +474,17 @@ type clientConn struct {
 	outcome  atomic.Int32 // Outcome+1; 0 = nothing served yet
 	fresh    atomic.Bool  // HTTP: accepted, no request byte read yet
 	closeErr error
-	rw       io.ReadWriter // Conn, or its socket's rawIO
-	local    bool          // the client is on this machine
+	local    bool // the client is on this machine
 }
 
 func (c *clientConn) Read(p []byte) (int, error) {
-	n, err := c.rw.Read(p)
+	n, err := c.Conn.Read(p)
 	c.up.Add(int64(n))
 	return n, err
 }
 
 func (c *clientConn) Write(p []byte) (int, error) {
-	n, err := c.rw.Write(p)
+	n, err := c.Conn.Write(p)
 	c.down.Add(int64(n))
 	return n, err
 }

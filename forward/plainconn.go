@@ -133,8 +133,10 @@ func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, d
 	if derr != nil {
 		return nil, derr
 	}
-	c = withRawIO(c)
 	pc := &plainConn{pcs: pcs, key: key, conn: c, head: &headLimit{r: c, n: -1}}
+	if sc, ok := c.(syscall.Conn); ok {
+		pc.head.rc, _ = sc.SyscallConn()
+	}
 	pc.br = bufio.NewReaderSize(pc.head, 4<<10)
 	pc.bw = bufio.NewWriterSize(c, 4<<10)
 	return pc, nil
@@ -411,6 +413,7 @@ func (b *plainBody) written() bool {
 // it sit in a buffer (streamed answers, long polls).
 type headLimit struct {
 	r    net.Conn
+	rc   syscall.RawConn // r's socket, nil without one
 	n    int64
 	idle func()
 }
@@ -420,10 +423,8 @@ func (h *headLimit) Read(p []byte) (int, error) {
 		if h.idle == nil {
 			return h.r.Read(p)
 		}
-		if rc, ok := h.r.(*rawConn); ok {
-			if n, empty, err := rc.io.tryRead(p); !empty {
-				return n, err
-			}
+		if n, empty, err := tryRead(h.rc, p); !empty {
+			return n, err
 		}
 		h.idle()
 		return h.r.Read(p)
@@ -437,26 +438,4 @@ func (h *headLimit) Read(p []byte) (int, error) {
 	n, err := h.r.Read(p)
 	h.n -= int64(n)
 	return n, err
-}
-
-// peerSilent reports whether an idle connection has nothing to read: a
-// closed or reset connection, or one the upstream wrote to unasked, is not
-// worth a request. Connections without a socket of their own pass.
-func peerSilent(c net.Conn) bool {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return true
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	silent := false
-	err = rc.Read(func(fd uintptr) bool {
-		var b [1]byte
-		_, _, rerr := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		silent = rerr == syscall.EAGAIN
-		return true
-	})
-	return err == nil && silent
 }
