@@ -9,14 +9,6 @@ import (
 	"time"
 )
 
-// loopbackSendBuf caps the send buffer toward a client on this machine
-// (the kernel doubles it, to 512 KiB where net.core.wmem_max allows).
-// Autotuning grows it to 4 MiB, which a peer a few microseconds away never
-// needs: the bytes only wait longer, out of the CPU caches, and a slow local
-// reader pins more memory. Remote clients keep autotuning, which their
-// round-trip times need.
-const loopbackSendBuf = 256 << 10
-
 // copyBufSize is the buffer of a direction that cannot splice (a TLS
 // upstream, or a system without splice); it comes from a pool.
 const copyBufSize = 32 << 10
@@ -40,12 +32,6 @@ type tunnel struct {
 // still holds must have been written to the client before.
 func (l *Listener) relay(cc *clientConn, upstream net.Conn, done func()) {
 	client := cc.Conn
-	if tc, ok := client.(*net.TCPConn); ok && cc.local {
-		_ = tc.SetWriteBuffer(loopbackSendBuf)
-	}
-	if rc, ok := upstream.(*rawConn); ok {
-		upstream = rc.Conn // holds no bytes of its own
-	}
 	t := &tunnel{idle: l.cfg.IdleTimeout, a: client, b: upstream}
 	t.lastSeen.Store(time.Now().UnixNano())
 	t.remaining.Store(2)
