@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -10,7 +9,6 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -219,22 +217,7 @@ func TestReloadEverySection(t *testing.T) {
 		strategy: "round-robin", admin: freePort(t), logFormat: "text", listen: freePort(t)}
 	cfg.write(t, cfgPath)
 
-	cmd := exec.Command(bin, "run", "-config", cfgPath)
-	cmd.Env = os.Environ()
-	stderr := &lockedWriter{w: &bytes.Buffer{}}
-	cmd.Stderr = stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		<-exited
-		if t.Failed() {
-			t.Logf("proxyd stderr:\n%s", stderr.String())
-		}
-	})
+	cmd, stderr, _ := runBinary(t, bin, cfgPath)
 	adminGet := func(addr, path string) (int, string) {
 		c := &http.Client{Timeout: 5 * time.Second}
 		resp, err := c.Get("http://" + addr + path)
