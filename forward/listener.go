@@ -399,8 +399,7 @@ func acceptRetryable(err error) bool {
 	if errors.Is(err, net.ErrClosed) {
 		return false
 	}
-	if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
-		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM) || errors.Is(err, syscall.ECONNABORTED) {
+	if localShortage(err) || errors.Is(err, syscall.ECONNABORTED) {
 		return true
 	}
 	var ne net.Error
