@@ -579,4 +579,3 @@ func socksDial(proxyAddr, dest string) (net.Conn, error) {
 	_ = c.SetDeadline(time.Time{})
 	return c, nil
 }
-
