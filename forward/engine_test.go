@@ -579,3 +579,51 @@ func socksDial(proxyAddr, dest string) (net.Conn, error) {
 	_ = c.SetDeadline(time.Time{})
 	return c, nil
 }
+
+// TestClientUploadStall: a client that stops sending its request body is
+// bounded by idle_timeout and is the client's failure: no upstream blamed,
+// client_error counted, and no 504 (the response clock does not run while
+// the client is waited for).
+func TestClientUploadStall(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(_ int64, req *http.Request, _ net.Conn) (string, bool) {
+		if _, err := io.Copy(io.Discard, req.Body); err != nil {
+			return "", true
+		}
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.IdleTimeout = 500 * time.Millisecond
+		c.ResponseTimeout = 300 * time.Millisecond
+	}), p)
+	c, err := net.Dial("tcp", tl.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	start := time.Now()
+	fmt.Fprintf(c, "POST http://example.test/upload HTTP/1.1\r\nHost: example.test\r\nContent-Length: 100\r\n\r\n0123456789")
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	d := time.Since(start)
+	if err == nil {
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Errorf("stalled upload: %d, want 400", resp.StatusCode)
+		}
+	}
+	if d < 500*time.Millisecond || d > 5*time.Second {
+		t.Errorf("stalled upload ended after %s, want about idle_timeout (500ms)", d)
+	}
+	_ = c.Close()
+	p.waitBalanced(t)
+	if f := failures(p); len(f) != 1 || f[0].res != pool.Canceled {
+		t.Errorf("reports %v, want one canceled (no verdict)", f)
+	}
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "closed")
+	if o := tl.obs.Closeds()[0].o; o != OutcomeClientError {
+		t.Errorf("outcome %s, want client_error", o)
+	}
+}
