@@ -627,3 +627,60 @@ func TestClientUploadStall(t *testing.T) {
 		t.Errorf("outcome %s, want client_error", o)
 	}
 }
+
+// TestSilentUpstreamBlamed: a request that cannot be hedged (it has a body)
+// through an upstream that answers nothing within response_timeout, while
+// another upstream of the listener answers other requests, gets 504 and
+// blames its upstream; without such answers elsewhere nobody is blamed.
+func TestSilentUpstreamBlamed(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	for _, others := range []bool{true, false} {
+		t.Run(fmt.Sprint("others answer=", others), func(t *testing.T) {
+			hung := newHTTPUpstream(t, "", "", nil)
+			hung.mode.Store(int32(modeHang))
+			good := newHTTPUpstream(t, "", "", nil)
+			p := newFakePool(hung.upstream(1), good.upstream(2))
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.AllowDestinations = loopbackAllowed
+				c.ResponseTimeout = time.Second
+			}), p)
+			hc := tl.httpClient(t, "", "")
+			done := make(chan int, 1)
+			go func() {
+				resp, err := hc.Post("http://"+origin+"/upload", "text/plain", strings.NewReader("payload"))
+				if err != nil {
+					done <- 0
+					return
+				}
+				_ = resp.Body.Close()
+				done <- resp.StatusCode
+			}()
+			if others {
+				// Once the POST is on the silent upstream, a GET goes
+				// through the other one and is answered.
+				waitFor(t, 5*time.Second, func() bool { return len(p.Picks()) == 1 }, "the POST picked")
+				req, _ := http.NewRequest("GET", "http://"+origin+"/", nil)
+				getEcho(t, tl.httpClient(t, "", ""), req)
+			}
+			if code := <-done; code != http.StatusGatewayTimeout {
+				t.Errorf("POST: %d, want 504", code)
+			}
+			hc.Transport.(*http.Transport).CloseIdleConnections()
+			p.waitBalanced(t)
+			want := pool.DestinationError
+			if others {
+				want = pool.HandshakeTimeout
+			}
+			var got []report
+			for _, r := range p.Reports() {
+				if r.id == hung.upstream(1).ID() {
+					got = append(got, r)
+				}
+			}
+			if len(got) != 1 || got[0].res != want {
+				t.Errorf("silent upstream's reports %+v, want %s", got, want)
+			}
+		})
+	}
+}
