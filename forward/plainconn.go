@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/proxyd/proxyd/forward/socks5"
@@ -437,26 +436,4 @@ func (h *headLimit) Read(p []byte) (int, error) {
 	n, err := h.r.Read(p)
 	h.n -= int64(n)
 	return n, err
-}
-
-// peerSilent reports whether an idle connection has nothing to read: a
-// closed or reset connection, or one the upstream wrote to unasked, is not
-// worth a request. Connections without a socket of their own pass.
-func peerSilent(c net.Conn) bool {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return true
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	silent := false
-	err = rc.Read(func(fd uintptr) bool {
-		var b [1]byte
-		_, _, rerr := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		silent = rerr == syscall.EAGAIN
-		return true
-	})
-	return err == nil && silent
 }

@@ -26,6 +26,9 @@ type rawIO struct {
 // newRawIO returns nil for a connection without a socket of its own.
 // A rawIO is an io.ReadWriter.
 func newRawIO(c net.Conn) *rawIO {
+	if !rawIOSupported {
+		return nil
+	}
 	sc, ok := c.(syscall.Conn)
 	if !ok {
 		return nil
