@@ -427,8 +427,11 @@ func (lp *loop) begin(up *pool.Upstream, hedge bool) *try {
 	t.ctx, t.cancel = context.WithCancelCause(lp.base)
 	lp.mu.Lock()
 	lp.inflight = append(lp.inflight, t)
-	if lp.expired {
+	switch {
+	case lp.expired:
 		t.cancel(errResponseTimeout)
+	case lp.winner != nil: // a hedge sent just as the first attempt answered
+		t.cancel(errCalledOff)
 	}
 	lp.mu.Unlock()
 	return t
