@@ -68,6 +68,9 @@ const (
 	// wStale: a kept upstream connection turned out closed before any byte
 	// of the answer came back.
 	wStale
+	// wLocal: proxyd itself could not open a connection (out of file
+	// descriptors or buffers): nobody else's fault.
+	wLocal
 	numWhat
 )
 
@@ -140,7 +143,7 @@ func classify(h happened) pool.Result {
 	case wSOCKSAddress, wTLS, wResponseTimeout:
 		return pool.DestinationError
 	}
-	return pool.Canceled // wCalledOff, wClientGone, wStale: no verdict
+	return pool.Canceled // wCalledOff, wClientGone, wStale, wLocal: no verdict
 }
 
 // answer is what a client is told when no attempt succeeded, and how its
@@ -160,10 +163,13 @@ var answerNoUpstream = answer{OutcomeNoUpstream, http.StatusBadGateway, textBadG
 // and a SOCKS reply.
 func answerFor(h happened, r pool.Result) answer {
 	timeout := h.what == wResponseTimeout || h.what == wSilent || h.status == http.StatusGatewayTimeout ||
+		h.what == wSOCKSReply && h.reply == socks5.ReplyTTLExpired ||
 		squidCode(h.squid) == "ERR_READ_TIMEOUT" || squidCode(h.squid) == "ERR_LIFETIME_EXP"
 	switch {
 	case h.what == wClientGone:
 		return answer{OutcomeClientError, http.StatusBadRequest, textBadRequest, socks5.ReplyGeneralFailure}
+	case h.what == wLocal:
+		return answer{OutcomeUpstreamError, http.StatusServiceUnavailable, textUnavailable, socks5.ReplyGeneralFailure}
 	case r == pool.DestinationError:
 		a := answer{OutcomeDestinationError, http.StatusBadGateway, textBadGateway, socks5.ReplyHostUnreachable}
 		switch {
@@ -377,9 +383,6 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			lp.req.Avoid = append(lp.req.Avoid, f.up.ID())
 		}
 		a = answerFor(decisive.res.h, decisive.result)
-		if decisive.res.h.what == wStale {
-			a.outcome = OutcomeUpstreamError // a kept connection died under the request
-		}
 		if !again || attempts > l.cfg.Retries || sends >= 2 || time.Since(start) >= l.cfg.RetryTimeout ||
 			(j.again != nil && !j.again()) {
 			return nil, a, retries
@@ -424,8 +427,11 @@ func (lp *loop) begin(up *pool.Upstream, hedge bool) *try {
 	t.ctx, t.cancel = context.WithCancelCause(lp.base)
 	lp.mu.Lock()
 	lp.inflight = append(lp.inflight, t)
-	if lp.expired {
+	switch {
+	case lp.expired:
 		t.cancel(errResponseTimeout)
+	case lp.winner != nil: // a hedge sent just as the first attempt answered
+		t.cancel(errCalledOff)
 	}
 	lp.mu.Unlock()
 	return t
@@ -474,9 +480,10 @@ func (lp *loop) sendHedge(first *try, done chan struct{}) {
 func (lp *loop) settle(t *try) {
 	l := lp.l
 	r := &t.res
+	_, ended := loopCause(t.ctx) // called off, or response_timeout, just as the answer came
 	lp.mu.Lock()
 	if r.h.what == wAnswered {
-		if lp.winner == nil {
+		if lp.winner == nil && !ended {
 			lp.winner = t
 			cause := errCalledOff
 			if t.hedge && time.Since(t.start) <= l.cfg.HedgeDelay {
@@ -499,6 +506,7 @@ func (lp *loop) settle(t *try) {
 			break
 		}
 	}
+	won := lp.winner == t
 	lp.mu.Unlock()
 	if r.h.what != wAnswered {
 		// An attempt the loop ended says why the loop ended it.
@@ -513,7 +521,7 @@ func (lp *loop) settle(t *try) {
 	if answeredSomething(r.h.what) {
 		l.answers.note(t.up.ID())
 	}
-	if lp.winner == t {
+	if won {
 		return
 	}
 	t.cancel(nil)

@@ -112,9 +112,9 @@ type Config struct {
 	// Retries is how many more upstreams are tried after one failed before
 	// any byte reached the client. 0: no retry. Negative is refused.
 	Retries int `toml:"retries"`
-	// RetryTimeout bounds the time of all attempts to open one connection
-	// (dials and handshakes); a client waits for its answer at most this
-	// plus one handshake. 0 is refused.
+	// RetryTimeout bounds the attempts of one connection or request: a
+	// tunnel's (CONNECT, SOCKS5) attempts end when it runs out, and a plain
+	// request is not tried on another upstream after it. 0 is refused.
 	RetryTimeout time.Duration `toml:"retry_timeout"`
 	// MaxConnections caps the open client connections; past it clients get
 	// 503 or SOCKS reply 0x01. 0 is refused.
@@ -123,12 +123,17 @@ type Config struct {
 	// use. Unset (the zero Addr, written ""): the system chooses.
 	SourceAddress netip.Addr `toml:"source_address"`
 	// HedgeDelay: after this long without an answer head, a plain request
-	// that can be sent again also goes through one more upstream; the first
-	// answer from the destination wins. 0: hedging off. Negative is refused.
+	// that can be sent again (GET, HEAD, OPTIONS, TRACE or one with an
+	// Idempotency-Key, without body, not sticky, not on a ppr upstream,
+	// through an HTTP upstream) also goes through one more upstream; the
+	// first answer from the destination wins. 0: hedging off. Negative is
+	// refused.
 	HedgeDelay time.Duration `toml:"hedge_delay"`
 	// ResponseTimeout is the longest a plain request waits for its answer
-	// head, counted from when it was first sent; then the client gets 504
-	// and the destination is held responsible. 0 is refused.
+	// head, counted from when it was first sent (time spent waiting for the
+	// client's body does not count); then the client gets 504 and no
+	// upstream is blamed, unless its upstream answered nothing at all in
+	// that time while the listener's other upstreams answered. 0 is refused.
 	ResponseTimeout time.Duration `toml:"response_timeout"`
 
 	// RootCAs are the certificate authorities proxyd trusts where it speaks

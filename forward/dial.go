@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/proxyd/proxyd/forward/socks5"
@@ -53,6 +54,8 @@ func classifyDial(ctx context.Context, err error) *attemptError {
 	switch {
 	case ctx.Err() != nil && !upstreamTimeout(ctx):
 		w = wClientGone
+	case localShortage(err):
+		w = wLocal
 	case isTimeout(err) || ctx.Err() != nil:
 		w = wDialTimeout
 	}
@@ -64,6 +67,13 @@ func classifyDial(ctx context.Context, err error) *attemptError {
 // client that left.
 func upstreamTimeout(ctx context.Context) bool {
 	return errors.Is(context.Cause(ctx), errAttemptTimeout)
+}
+
+// localShortage reports whether err is this process or machine running out
+// of file descriptors or buffers.
+func localShortage(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
 }
 
 func isTimeout(err error) bool {

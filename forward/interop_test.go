@@ -16,6 +16,7 @@ import (
 	"golang.org/x/net/proxy"
 	"golang.org/x/net/websocket"
 
+	"github.com/proxyd/proxyd/forward/socks5"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -265,6 +266,50 @@ func TestSquidUpstream(t *testing.T) {
 	p.waitBalanced(t)
 	if r := p.Reports(); len(r) != 2 || r[0].res != pool.AuthRejected || r[1].res != pool.Success {
 		t.Errorf("reports %+v", r)
+	}
+}
+
+// TestSquidDestinationFailure: Squid's own answer for a destination that
+// refuses (503 with X-Squid-Error: ERR_CONNECT_FAIL) is the destination's
+// failure: passed on as such on every path, never counted against Squid,
+// however often it comes.
+func TestSquidDestinationFailure(t *testing.T) {
+	checkLeaks(t)
+	addr := startSquid(t, "squser", "s:cret")
+	up := &pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: addr, Username: "squser", Password: "s:cret"}
+	dest := deadAddr(t)
+	p := newFakePool(up)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed }), p)
+	hc := tl.httpClient(t, "", "")
+	for i := range 4 { // more than the pool's default failure threshold
+		_, _, resp := rawConnect(t, tl.addr, dest, "")
+		if resp.StatusCode != http.StatusBadGateway {
+			t.Errorf("CONNECT %d: %d, want 502", i, resp.StatusCode)
+		}
+		if code := socksDialCode(t, stl.addr, dest); code != socks5.ReplyConnectionRefused {
+			t.Errorf("SOCKS5 %d: reply %#x, want connection refused", i, code)
+		}
+		if code, body := getBody(t, hc, "http://"+dest+"/"); code != http.StatusBadGateway || body != textBadGateway {
+			t.Errorf("GET %d: %d %q, want 502", i, code, body)
+		}
+	}
+	hc.Transport.(*http.Transport).CloseIdleConnections()
+	p.waitBalanced(t)
+	r := p.Reports()
+	if len(r) != 12 {
+		t.Errorf("%d reports, want 12", len(r))
+	}
+	for _, rep := range r {
+		if rep.res != pool.DestinationError {
+			t.Errorf("report %+v, want destination_error", rep)
+		}
+	}
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds())+len(stl.obs.Closeds()) >= 9 }, "closed")
+	for _, cl := range append(tl.obs.Closeds(), stl.obs.Closeds()...) {
+		if cl.o != OutcomeDestinationError {
+			t.Errorf("outcome %s, want destination_error", cl.o)
+		}
 	}
 }
 

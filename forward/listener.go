@@ -1,9 +1,13 @@
 // Package forward runs proxyd's local listeners: an HTTP proxy (plain
 // requests in absolute-URI form, CONNECT tunnels, WebSocket upgrades) built
 // on github.com/elazarl/goproxy, and a SOCKS5 server (CONNECT only). Each
-// client connection is relayed through an upstream picked from the pool, with
-// retries on other upstreams before the first byte reaches the client, and
-// its outcome is reported to the pool and to an Observer.
+// client connection is relayed through an upstream picked from the pool by
+// one attempt loop (attempt.go), with retries on other upstreams before the
+// first byte reaches the client and, for plain requests that can be sent
+// again, a hedge through one more upstream when the answer is slow to come;
+// each attempt's outcome is classified (the upstream's fault, the
+// destination's, or nobody's) and reported to the pool, and each
+// connection's to an Observer.
 //
 // Scope: local authentication (users and sticky-session usernames), the
 // client allow-list, the refused destinations (loopback, link-local, private,
@@ -392,8 +396,7 @@ func acceptRetryable(err error) bool {
 	if errors.Is(err, net.ErrClosed) {
 		return false
 	}
-	if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
-		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM) || errors.Is(err, syscall.ECONNABORTED) {
+	if localShortage(err) || errors.Is(err, syscall.ECONNABORTED) {
 		return true
 	}
 	var ne net.Error

@@ -2,16 +2,8 @@
 
 package forward
 
-import (
-	"net"
-	"syscall"
-)
+import "syscall"
 
-// Without a non-blocking peek (Windows), a kept upstream connection that
-// the upstream closed shows when the request sent on it fails, and is
-// replayed on another (errStaleConn); a body is read with a flush to the
-// client before every read.
-
+// Without a non-blocking read on the socket (Windows), a plain answer's
+// body is read with a flush to the client before every read.
 func tryRead(syscall.RawConn, []byte) (int, bool, error) { return 0, true, nil }
-
-func peerSilent(net.Conn) bool { return true }

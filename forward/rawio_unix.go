@@ -10,8 +10,8 @@ import (
 	"syscall"
 )
 
-// Reads that must not wait: a connection's socket is non-blocking, so a
-// read or peek made inside its readiness check (syscall.RawConn.Read with a
+// A read that must not wait: a connection's socket is non-blocking, so a
+// read made inside its readiness check (syscall.RawConn.Read with a
 // function that always reports done) answers at once.
 
 // tryRead reads what c has queued now. empty reports that nothing was there
@@ -40,26 +40,4 @@ func tryRead(rc syscall.RawConn, p []byte) (n int, empty bool, err error) {
 		return 0, false, io.EOF
 	}
 	return n, false, nil
-}
-
-// peerSilent reports whether an idle connection has nothing to read: a
-// closed or reset connection, or one the upstream wrote to unasked, is not
-// worth a request. Connections without a socket of their own pass.
-func peerSilent(c net.Conn) bool {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return true
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	silent := false
-	err = rc.Read(func(fd uintptr) bool {
-		var b [1]byte
-		_, _, rerr := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		silent = rerr == syscall.EAGAIN
-		return true
-	})
-	return err == nil && silent
 }

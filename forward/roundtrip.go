@@ -254,7 +254,10 @@ func (a *bodyAttempt) Read(p []byte) (int, error) {
 		_ = rb.client.SetReadDeadline(time.Now().Add(rb.idle))
 	}
 	n, err := rb.rc.Read(p)
-	if err != nil && rb.client != nil {
+	if err == io.EOF && rb.client != nil {
+		// The body is through. (After a failure the deadline stays: the
+		// server's reads of the rest fail at once and it closes the
+		// connection instead of waiting on a stalled client.)
 		_ = rb.client.SetReadDeadline(time.Time{})
 	}
 	clock.resume()

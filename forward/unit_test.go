@@ -26,7 +26,7 @@ func TestConfigValidate(t *testing.T) {
 		{testConfig(nil), ""},
 		{testConfig(func(c *Config) { c.Protocol = "socks5"; c.Address = "[::1]:1080" }), ""},
 		{testConfig(func(c *Config) { c.Address = "localhost:8080" }), ""},
-		{testConfig(func(c *Config) { c.Protocol = "socks4" }), `protocol: "socks4"`},
+		{testConfig(func(c *Config) { c.Protocol = "socks4" }), `protocol: must be http or socks5, got "socks4"`},
 		{testConfig(func(c *Config) { c.Address = "nonsense" }), "address:"},
 		{testConfig(func(c *Config) { c.Address = "0.0.0.0:8080" }), "address: 0.0.0.0:8080 is not a loopback address: configure [[listener.user]] or allow"},
 		{testConfig(func(c *Config) { c.Address = ":8080" }), "is not a loopback address"},

@@ -28,6 +28,7 @@ func cmdCheck(args []string, io stdio) int {
 		return 1
 	}
 	if _, _, err := cfg.API.ResolveCredential(io.getenv); err != nil {
+		err = sectionProblems("api", err) // the key with its section, as the file writes it
 		// Not fatal here: under systemd the credential may come from
 		// $CREDENTIALS_DIRECTORY or the unit's environment only.
 		fmt.Fprintf(io.err, "%s: warning: %v\n", *path, err)

@@ -31,6 +31,7 @@ type demoWorld struct {
 	gateways []*providersim.Gateway // one per sticky session of demoPPR, each on its own 127.0.3.N
 	sessions []*providersim.Proxy   // the gateways' HTTP proxies, in the same order
 	names    map[string]string      // upstream IP → the name of the simulated proxy on it
+	shared   bool                   // every proxy on 127.0.0.1 (no other loopback address here)
 	servers  []*http.Server
 	wg       sync.WaitGroup
 }
@@ -53,8 +54,20 @@ const (
 // 127.0.3.N); its record names the gateway's IP and its HTTP port, the
 // ppr-http list holds every gateway's HTTP port, ppr-socks every SOCKS5
 // port, so the daemon must find each session's SOCKS5 port in the lists.
-func startDemoWorld() (*demoWorld, error) {
-	w := &demoWorld{sim: providersim.New(providersim.Config{}), names: map[string]string{}}
+//
+// Only Linux answers on all of 127.0.0.0/8 out of the box. Where only
+// 127.0.0.1 does (macOS, Windows), shared is set: every proxy listens on
+// 127.0.0.1, told apart by its port, the origin cannot name the proxy a
+// request came through, and the fault that marks an IP errored is skipped
+// (it would take every upstream out at once).
+func startDemoWorld(shared bool) (*demoWorld, error) {
+	w := &demoWorld{sim: providersim.New(providersim.Config{}), names: map[string]string{}, shared: shared}
+	host := func(net, i int) string {
+		if shared {
+			return "127.0.0.1"
+		}
+		return fmt.Sprintf("127.0.%d.%d", net, i)
+	}
 	ok := false
 	defer func() {
 		if !ok {
@@ -80,14 +93,14 @@ func startDemoWorld() (*demoWorld, error) {
 	user, pass := fmt.Sprintf("u%d", demoFPR), fmt.Sprintf("pw-%d-sim", demoFPR)
 	var httpEntries, socksEntries []providersim.Entry
 	for i := 1; i <= 3; i++ {
-		hp, err := providersim.StartProxy("http", fmt.Sprintf("127.0.1.%d:0", i), fmt.Sprintf("fpr-http-%d", i), user, pass)
+		hp, err := providersim.StartProxy("http", host(1, i)+":0", fmt.Sprintf("fpr-http-%d", i), user, pass)
 		if err != nil {
 			return nil, fmt.Errorf("starting a demo upstream: %w", err)
 		}
 		w.fprHTTP = append(w.fprHTTP, hp)
 		w.names[hp.Host()] = hp.Name
 		httpEntries = append(httpEntries, hp.Entry(user, pass))
-		sp, err := providersim.StartProxy("socks5", fmt.Sprintf("127.0.2.%d:0", i), fmt.Sprintf("fpr-socks-%d", i), user, pass)
+		sp, err := providersim.StartProxy("socks5", host(2, i)+":0", fmt.Sprintf("fpr-socks-%d", i), user, pass)
 		if err != nil {
 			return nil, fmt.Errorf("starting a demo upstream: %w", err)
 		}
@@ -102,7 +115,7 @@ func startDemoWorld() (*demoWorld, error) {
 	var sessions []providersim.Session
 	var httpGW, socksGW []providersim.Entry
 	for i := 1; i <= 2; i++ {
-		g, err := providersim.StartGateway(fmt.Sprintf("127.0.3.%d", i), fmt.Sprintf("ppr-session-s%d", i), puser, ppass)
+		g, err := providersim.StartGateway(host(3, i), fmt.Sprintf("ppr-session-s%d", i), puser, ppass)
 		if err != nil {
 			return nil, fmt.Errorf("starting a demo gateway: %w", err)
 		}
@@ -129,10 +142,24 @@ func startDemoWorld() (*demoWorld, error) {
 	return w, nil
 }
 
+// loopbackAliases reports whether this system answers on loopback
+// addresses other than 127.0.0.1 (Linux does; macOS and Windows do not).
+func loopbackAliases() bool {
+	ln, err := net.Listen("tcp", "127.0.1.1:0")
+	if err != nil {
+		return false
+	}
+	ln.Close()
+	return true
+}
+
 // carrier names the simulated upstream a request to the origin came
 // through, from the address it came from, with the current exit IP when it
 // is a ppr session's gateway.
 func (w *demoWorld) carrier(remoteAddr string) string {
+	if w.shared {
+		return "an upstream on 127.0.0.1 (this system has no other loopback address, so the origin cannot tell which: proxyd pool shows the pool)"
+	}
 	ip, _, _ := net.SplitHostPort(remoteAddr)
 	name, ok := w.names[ip]
 	if !ok {
@@ -175,6 +202,10 @@ func (w *demoWorld) faults(ctx context.Context, every time.Duration, log *slog.L
 		}
 		switch step % 4 {
 		case 0:
+			if w.shared {
+				log.Info("demo: skipping the fault that marks an IP errored: every simulated upstream shares 127.0.0.1 here")
+				break
+			}
 			ip := w.fprHTTP[0].Addr()
 			host, _, _ := net.SplitHostPort(ip)
 			w.sim.MarkErrored(demoFPR, host)
@@ -243,12 +274,15 @@ func cmdDemo(ctx context.Context, args []string, io stdio) int {
 		}
 		ln.Close()
 	}
-	w, err := startDemoWorld()
+	w, err := startDemoWorld(!loopbackAliases())
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)
 		return 1
 	}
 	defer w.close()
+	if w.shared {
+		fmt.Fprintln(io.err, "proxyd demo: this system answers only on 127.0.0.1, so every simulated upstream listens there, told apart by its port; the fault that marks an IP errored is skipped")
+	}
 	stateDir, err := os.MkdirTemp("", "proxyd-demo-")
 	if err != nil {
 		fmt.Fprintf(io.err, "proxyd demo: %v\n", err)

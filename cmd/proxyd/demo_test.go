@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"io"
+	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
 	"regexp"
@@ -232,5 +234,50 @@ func TestDemoGatewaysSpeakOneProtocol(t *testing.T) {
 	}
 	if perProtocol["http"] != len(w.gateways) || perProtocol["socks5"] != len(w.gateways) {
 		t.Errorf("session upstreams per protocol %v, want %d each", perProtocol, len(w.gateways))
+	}
+}
+
+// TestDemoSharedLoopback is the demo world where only 127.0.0.1 answers
+// (macOS, Windows): every upstream on 127.0.0.1, told apart by port, and
+// both listeners carry plain and sticky traffic through them; the fault
+// that would mark the one IP errored is skipped, saying so.
+func TestDemoSharedLoopback(t *testing.T) {
+	w, err := startDemoWorld(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.close)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	ports := map[string]bool{}
+	for _, u := range e.poolState().Upstreams {
+		host, port, _ := net.SplitHostPort(u.Address)
+		if host != "127.0.0.1" {
+			t.Errorf("upstream %s is not on 127.0.0.1", u.ID)
+		}
+		ports[string(u.Protocol)+"/"+port] = true
+	}
+	if len(ports) != len(e.poolState().Upstreams) || len(ports) < 10 {
+		t.Errorf("upstreams not told apart by port: %d ports for %d upstreams", len(ports), len(e.poolState().Upstreams))
+	}
+	for _, l := range []string{"http", "socks"} {
+		for _, key := range []string{"", "k1"} {
+			if body, _, err := e.get(l, key); err != nil || !strings.Contains(body, "via an upstream on 127.0.0.1") {
+				t.Errorf("GET through %s (key %q): %q %v", l, key, body, err)
+			}
+		}
+	}
+	logs := &lockedWriter{w: &strings.Builder{}}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		w.faults(ctx, 10*time.Millisecond, slog.New(slog.NewTextHandler(logs, nil)))
+	}()
+	waitFor(t, "the first fault step", 5*time.Second, func() bool { return strings.Contains(logs.String(), "skipping") })
+	cancel()
+	<-done
+	if strings.Contains(logs.String(), "lists an upstream as errored") {
+		t.Errorf("the errored-IP fault ran on a shared loopback address:\n%s", logs.String())
 	}
 }

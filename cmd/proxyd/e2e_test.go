@@ -52,7 +52,7 @@ func quietPolls(cfg *config) {
 
 func newWorld(t *testing.T) *demoWorld {
 	t.Helper()
-	w, err := startDemoWorld()
+	w, err := startDemoWorld(!loopbackAliases())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,8 +6,6 @@ import (
 	"os"
 	"strings"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // notifier speaks the systemd notify protocol (sd_notify(3)) on
@@ -51,11 +49,13 @@ func (n *notifier) ready() error { return n.send("READY=1") }
 // reloading must carry MONOTONIC_USEC (CLOCK_MONOTONIC) for systemd to
 // accept it.
 func (n *notifier) reloading() error {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+	if !n.enabled() {
+		return nil
+	}
+	usec, err := monotonicUsec()
+	if err != nil {
 		return fmt.Errorf("reading the monotonic clock: %w", err)
 	}
-	usec := ts.Sec*1e6 + ts.Nsec/1e3
 	return n.send("RELOADING=1", fmt.Sprintf("MONOTONIC_USEC=%d", usec))
 }
 

@@ -135,6 +135,13 @@ func (d *daemon) prepare(old, next config, plan reloadPlan) (*prepared, error) {
 		}
 		p.client = c
 	}
+	if plan.Poll || plan.Listeners || plan.API {
+		// What Reconfigure would refuse, refused before anything changes.
+		pc := d.pollConfig(next)
+		if err := errors.Join(pc.Validate(), pc.Manage.Validate()); err != nil {
+			return nil, fmt.Errorf("poll loops: %w", err)
+		}
+	}
 	if plan.State {
 		if err := checkWritableDir(next.State.Dir); err != nil {
 			return nil, keyError{Key: "state.dir", Msg: err.Error()}
@@ -193,7 +200,10 @@ func (d *daemon) applyConfig(next config) error {
 		d.client, d.api, d.credSrc = p.client.client, p.client.api, p.client.source
 	}
 	if plan.Poll || plan.Listeners || (p.client != nil && p.client.changed) {
-		d.poller.Reconfigure(d.client, d.pollConfig(next), plan.Provider)
+		if err := d.poller.Reconfigure(d.client, d.pollConfig(next), plan.Provider); err != nil {
+			// prepare checked what Reconfigure checks; the loops keep running as they were.
+			d.log.Error("reload: the poll loops kept their configuration", "err", err)
+		}
 	}
 	if plan.Admin {
 		if p.handlerOnly {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -10,7 +11,6 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/forward"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -219,22 +220,7 @@ func TestReloadEverySection(t *testing.T) {
 		strategy: "round-robin", admin: freePort(t), logFormat: "text", listen: freePort(t)}
 	cfg.write(t, cfgPath)
 
-	cmd := exec.Command(bin, "run", "-config", cfgPath)
-	cmd.Env = os.Environ()
-	stderr := &lockedWriter{w: &bytes.Buffer{}}
-	cmd.Stderr = stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		<-exited
-		if t.Failed() {
-			t.Logf("proxyd stderr:\n%s", stderr.String())
-		}
-	})
+	cmd, stderr, _ := runBinary(t, bin, cfgPath)
 	adminGet := func(addr, path string) (int, string) {
 		c := &http.Client{Timeout: 5 * time.Second}
 		resp, err := c.Get("http://" + addr + path)
@@ -413,4 +399,70 @@ func TestReloadEverySection(t *testing.T) {
 	if oks.Load() == 0 {
 		t.Error("no request went through: the traffic check proves nothing")
 	}
+}
+
+// connectAs opens a CONNECT tunnel as a local user and returns the
+// connection and the answer's status code (the connection is closed unless
+// it is 200).
+func connectAs(t *testing.T, proxyAddr, dest, user, password string) (net.Conn, int) {
+	t.Helper()
+	c, err := net.Dial("tcp", proxyAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	auth := base64.StdEncoding.EncodeToString([]byte(user + ":" + password))
+	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\nProxy-Authorization: Basic %s\r\n\r\n", dest, dest, auth)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	var head []byte
+	b := make([]byte, 1)
+	for !bytes.HasSuffix(head, []byte("\r\n\r\n")) { // byte by byte: nothing of the tunnel is consumed
+		if _, err := c.Read(b); err != nil {
+			t.Fatalf("CONNECT answer: %v (%q)", err, head)
+		}
+		head = append(head, b[0])
+	}
+	c.SetReadDeadline(time.Time{})
+	var code int
+	fmt.Sscanf(string(head), "HTTP/1.1 %d", &code)
+	if code != 200 {
+		c.Close()
+		return nil, code
+	}
+	return c, code
+}
+
+// TestReloadRemovedUser: a local user removed by a reload keeps the tunnels
+// it has open; new ones are refused (407); the users that stay are served.
+func TestReloadRemovedUser(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) {
+		c.Listener[0].Users = []forward.User{{Name: "alice", Password: "pa"}, {Name: "bob", Password: "pb"}}
+	})
+	e.waitReady()
+	addr := e.d.listenerAddr("http")
+	echo := echoServer(t)
+	bob, code := connectAs(t, addr, echo, "bob", "pb")
+	if code != 200 {
+		t.Fatalf("bob before the reload: %d", code)
+	}
+	defer bob.Close()
+	roundTrip(t, bob, "before")
+
+	next := e.cfg
+	next.Listener = append([]listenerConfig(nil), next.Listener...)
+	next.Listener[0].Users = []forward.User{{Name: "alice", Password: "pa"}}
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, bob, "after the reload") // the open tunnel finishes
+	addr = e.d.listenerAddr("http")       // a ":0" listener that changed is bound anew
+	if _, code := connectAs(t, addr, echo, "bob", "pb"); code != 407 {
+		t.Errorf("a new tunnel of the removed user: %d, want 407", code)
+	}
+	alice, code := connectAs(t, addr, echo, "alice", "pa")
+	if code != 200 {
+		t.Fatalf("alice after the reload: %d", code)
+	}
+	defer alice.Close()
+	roundTrip(t, alice, "alice")
 }

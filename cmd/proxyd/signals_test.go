@@ -137,26 +137,8 @@ func TestDaemonSignals(t *testing.T) {
 	httpAddr := freePort(t)
 	writeConfig(t, cfgPath, w, filepath.Join(dir, "state"), [2]string{"http", httpAddr})
 
-	cmd := exec.Command(bin, "run", "-config", cfgPath)
-	cmd.Env = append(os.Environ(), "PROXYD_API_TOKEN="+providersim.DefaultToken, "NOTIFY_SOCKET="+sock,
+	cmd, stderr, exited := runBinary(t, bin, cfgPath, "PROXYD_API_TOKEN="+providersim.DefaultToken, "NOTIFY_SOCKET="+sock,
 		"WATCHDOG_USEC=400000") // pings every 200ms while the loops are alive
-	stderr := &lockedWriter{w: &bytes.Buffer{}}
-	cmd.Stderr = stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		select {
-		case <-exited:
-		case <-time.After(5 * time.Second):
-		}
-		if t.Failed() {
-			t.Logf("proxyd stderr:\n%s", stderr.String())
-		}
-	})
 	notify.expect(t, "READY=1")
 	notify.expect(t, "WATCHDOG=1") // and again: the pings go on
 	notify.expect(t, "WATCHDOG=1")
@@ -265,6 +247,33 @@ func TestDaemonSignals(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("proxyd did not exit after the tunnel closed")
 	}
+}
+
+// runBinary starts `proxyd run -config cfgPath` with env added to this
+// process's environment. It is killed when the test ends, and its stderr is
+// logged if the test failed; exited receives its exit.
+func runBinary(t *testing.T, bin, cfgPath string, env ...string) (*exec.Cmd, *lockedWriter, chan error) {
+	t.Helper()
+	cmd := exec.Command(bin, "run", "-config", cfgPath)
+	cmd.Env = append(os.Environ(), env...)
+	stderr := &lockedWriter{w: &bytes.Buffer{}}
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		select {
+		case <-exited:
+		case <-time.After(5 * time.Second):
+		}
+		if t.Failed() {
+			t.Logf("proxyd stderr:\n%s", stderr.String())
+		}
+	})
+	return cmd, stderr, exited
 }
 
 func mustURL(s string) *url.URL {
