@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"reflect"
+	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -114,11 +115,14 @@ func (e configErrors) Error() string {
 func parseConfig(text string) (config, error) {
 	var tree map[string]any
 	if _, err := toml.Decode(text, &tree); err != nil {
+		// The parser quotes the text it could not read, which may be a
+		// secret written without quotes (token = s3cret): messages reach the
+		// journal and GET /events, so quoted text is left out.
 		var perr toml.ParseError
 		if errors.As(err, &perr) {
-			return config{}, configErrors{{Msg: fmt.Sprintf("syntax error at line %d: %s", perr.Position.Line, perr.Message)}}
+			return config{}, configErrors{{Msg: fmt.Sprintf("syntax error at line %d: %s", perr.Position.Line, redactQuoted(perr.Message))}}
 		}
-		return config{}, configErrors{{Msg: "syntax error: " + err.Error()}}
+		return config{}, configErrors{{Msg: "syntax error: " + redactQuoted(err.Error())}}
 	}
 	cfg := defaultConfig()
 	d := decoder{newElem: func(t reflect.Type) reflect.Value {
@@ -130,6 +134,8 @@ func parseConfig(text string) (config, error) {
 	d.decodeStruct("", tree, reflect.ValueOf(&cfg).Elem())
 	if _, ok := tree["listener"]; !ok {
 		cfg.Listener = defaultListeners()
+	} else if len(cfg.Listener) == 0 {
+		d.fail("listener", "no listener: remove the key for the two default listeners, or add a [[listener]]")
 	}
 	for i := range cfg.Listener {
 		l := &cfg.Listener[i]
@@ -160,6 +166,13 @@ func loadConfig(path string) (config, error) {
 	}
 	return parseConfig(string(b))
 }
+
+// redactQuoted replaces every double-quoted part of a parser message.
+func redactQuoted(msg string) string {
+	return quotedText.ReplaceAllString(msg, `"…"`)
+}
+
+var quotedText = regexp.MustCompile(`"[^"]*"`)
 
 // validate asks each package to check its section, then checks what the
 // daemon itself declares and what spans sections. Every problem names its

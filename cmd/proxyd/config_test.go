@@ -283,6 +283,21 @@ func scrubSecrets(cfg config) config {
 	return cfg
 }
 
+// TestSyntaxErrorHidesSecrets: the parser quotes what it could not read,
+// which may be a secret written without quotes; problems reach the journal
+// and /events, so the quoted text is left out.
+func TestSyntaxErrorHidesSecrets(t *testing.T) {
+	for _, text := range []string{"[api]\ntoken = canarySECRET123\n", "[[listener]]\n[[listener.user]]\npassword=hunter2canary\n"} {
+		_, err := parseConfig(text)
+		if err == nil || !strings.HasPrefix(err.Error(), "syntax error at line") || strings.Contains(err.Error(), "canary") {
+			t.Errorf("%q: %v", text, err)
+		}
+	}
+	if _, err := parseConfig("listener = []\n"); err == nil || !strings.Contains(err.Error(), "listener: no listener") {
+		t.Errorf("an empty listener array: %v", err)
+	}
+}
+
 func TestConfigDefaults(t *testing.T) {
 	cfg, err := parseConfig("[api]\ntoken = \"x\"\n")
 	if err != nil {

@@ -38,6 +38,7 @@ type daemon struct {
 	pool    *pool.Pool
 	events  *pool.EventLog // GET /events: what happened to upstreams, services, listeners and reloads
 
+	reloadMu   sync.Mutex          // serializes reloads: what prepare read stays current until the commit
 	applyMu    sync.Mutex          // serializes apply
 	status     map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
 	lastSaved  string              // stateKey of the state file's content (guarded by applyMu)

@@ -209,6 +209,12 @@ func (d *decoder) decodeValue(path string, x any, v reflect.Value) {
 			d.fail(path, "must be an array, got %s", tomlType(x))
 			return
 		}
+		if len(elems) == 0 {
+			// An empty array is the same as an absent one (nil), so that
+			// `services = []` and no key compare equal on reload.
+			v.Set(reflect.Zero(v.Type()))
+			return
+		}
 		out := reflect.MakeSlice(v.Type(), 0, len(elems))
 		for i, e := range elems {
 			ev := reflect.New(v.Type().Elem()).Elem()

@@ -83,11 +83,25 @@ n = 0
 		Addr: netip.MustParseAddr("192.0.2.1"),
 		Nets: []forward.Network{forward.MustParseNetwork("10.0.0.0/8"), forward.MustParseNetwork("192.0.2.7/32"),
 			forward.MustParseNetwork("2001:db8::/32")},
-		Ints: []int{1, 2}, Strs: []string{}, Table: inner{Name: "t"},
+		Ints: []int{1, 2}, Strs: nil, Table: inner{Name: "t"}, // an empty array is an absent one
 		Tables: []inner{{Name: "a", N: 42}, {N: 0}}, Secret: "hush",
 	}
 	if !reflect.DeepEqual(v, want) {
 		t.Errorf("decoded\n%+v\nwant\n%+v", v, want)
+	}
+	// The printer writes every type so that the decoder reads it back.
+	var b strings.Builder
+	printTable(&b, "x", reflect.ValueOf(&v).Elem(), false)
+	text = strings.Replace(b.String(), "[x]\n", "", 1)
+	text = strings.ReplaceAll(text, "[x.", "[")
+	text = strings.ReplaceAll(text, "[[x.", "[[")
+	var again decodeAll
+	if errs := decodeText(t, text, &again); len(errs) > 0 {
+		t.Fatalf("%v in the printed\n%s", errs, text)
+	}
+	want.Secret = "" // printed as a comment
+	if !reflect.DeepEqual(again, want) {
+		t.Errorf("printed and read back\n%+v\nwant\n%+v\nfrom\n%s", again, want, text)
 	}
 }
 

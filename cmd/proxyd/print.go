@@ -17,7 +17,7 @@ import (
 // aside, so printing the result again gives the same text.
 func printConfig(c config) string {
 	var b strings.Builder
-	v := reflect.ValueOf(c)
+	v := reflect.ValueOf(&c).Elem() // addressable: text types marshal through pointers
 	for i, f := range tomlFields(v.Type()) {
 		fv := v.FieldByIndex(f.index)
 		if i > 0 {
@@ -45,14 +45,19 @@ func printTable(b *strings.Builder, path string, v reflect.Value, array bool) {
 		fmt.Fprintf(b, "[%s]\n", path)
 	}
 	type sub struct {
-		key string
-		v   reflect.Value
+		key   string
+		v     reflect.Value
+		array bool
 	}
 	var tables []sub
 	for _, f := range tomlFields(v.Type()) {
 		fv := v.FieldByIndex(f.index)
-		if fv.Kind() == reflect.Slice && fv.Type().Elem().Kind() == reflect.Struct && !isText(fv.Type().Elem()) {
-			tables = append(tables, sub{f.key, fv})
+		switch {
+		case fv.Kind() == reflect.Slice && fv.Type().Elem().Kind() == reflect.Struct && !isText(fv.Type().Elem()):
+			tables = append(tables, sub{f.key, fv, true})
+			continue
+		case fv.Kind() == reflect.Struct && !isText(fv.Type()):
+			tables = append(tables, sub{f.key, fv, false})
 			continue
 		}
 		if f.secret {
@@ -64,6 +69,10 @@ func printTable(b *strings.Builder, path string, v reflect.Value, array bool) {
 		fmt.Fprintf(b, "%s = %s\n", f.key, tomlValue(fv))
 	}
 	for _, t := range tables {
+		if !t.array {
+			printTable(b, path+"."+t.key, t.v, false)
+			continue
+		}
 		for j := range t.v.Len() {
 			printTable(b, path+"."+t.key, t.v.Index(j), true)
 		}

@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"net"
 	"os"
 	"reflect"
 	"slices"
 	"strings"
 
 	"github.com/proxyd/proxyd/agent"
+	"github.com/proxyd/proxyd/forward"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -115,21 +118,33 @@ func oneLine(err error) string {
 // abandon when the reload does not go through.
 type prepared struct {
 	client      *clientSwap
-	admin       *adminServer // a newly bound admin socket
-	handlerOnly bool         // the admin token changed, not its address
+	admin       *adminServer            // a newly bound admin socket
+	handlerOnly bool                    // the admin token changed, not its address
+	sockets     map[string]net.Listener // listener name → a newly bound socket for it
 }
 
 func (p *prepared) abandon() {
 	if p.admin != nil && !p.handlerOnly {
 		p.admin.abandon()
 	}
+	for _, ln := range p.sockets {
+		ln.Close()
+	}
 }
 
-// prepare takes every step of plan that can fail; d.mu is held.
-func (d *daemon) prepare(old, next config, plan reloadPlan) (*prepared, error) {
-	var p prepared
+// prepare takes every step of plan that can fail, without d.mu (it reads
+// files and binds sockets; the watchdog and the admin server must not wait on
+// it). Reloads are serialized by reloadMu, so what it read stays current
+// until the commit.
+func (d *daemon) prepare(old, next config, plan reloadPlan, running map[string]*runningListener) (_ *prepared, err error) {
+	p := &prepared{}
+	defer func() {
+		if err != nil {
+			p.abandon() // what was bound before the step that failed
+		}
+	}()
 	if plan.API || next.API.TokenFile != "" || next.API.PasswordFile != "" {
-		c, err := d.prepareClient(next)
+		c, err := d.prepareClient(old, next)
 		if err != nil {
 			return nil, err
 		}
@@ -164,38 +179,53 @@ func (d *daemon) prepare(old, next config, plan reloadPlan) (*prepared, error) {
 			p.handlerOnly = true
 		}
 	}
-	return &p, nil
+	if plan.Listeners {
+		_, bind := socketPlan(running, next)
+		p.sockets = map[string]net.Listener{}
+		for _, lc := range bind {
+			ln, err := forward.Listen(context.Background(), lc.Address)
+			if err != nil {
+				return nil, fmt.Errorf("listener %s: %w", lc.Name, err)
+			}
+			p.sockets[lc.Name] = ln
+		}
+	}
+	return p, nil
 }
 
 // applyConfig carries a valid config out: prepare, then commit.
 func (d *daemon) applyConfig(next config) error {
+	d.reloadMu.Lock()
+	defer d.reloadMu.Unlock()
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	if !d.running {
-		return errors.New("not reloading: proxyd is starting or stopping")
-	}
-	old := d.cfg
+	old, running := d.cfg, maps.Clone(d.listeners)
+	d.mu.Unlock()
 	plan := planReload(old, next)
-	p, err := d.prepare(old, next, plan)
+	p, err := d.prepare(old, next, plan, running)
 	if err != nil {
 		return err
 	}
-	if plan.Pool {
-		if err := d.pool.SetConfig(next.Pool); err != nil {
-			p.abandon()
-			return fmt.Errorf("pool: %w", err)
-		}
+
+	d.mu.Lock()
+	if !d.running {
+		d.mu.Unlock()
+		p.abandon()
+		return errors.New("not reloading: proxyd is starting or stopping")
 	}
 	if plan.Listeners {
-		if err := d.swapListeners(next); err != nil {
-			if plan.Pool {
-				d.pool.SetConfig(old.Pool) // valid: it was running
-			}
+		if err := d.swapListeners(next, p.sockets); err != nil {
+			d.mu.Unlock()
 			p.abandon()
 			return err
 		}
 	}
-	// From here on nothing fails.
+	// From here on nothing fails: next was validated, and prepare took
+	// every step that could.
+	if plan.Pool {
+		if err := d.pool.SetConfig(next.Pool); err != nil {
+			d.log.Error("reload: the pool kept its configuration", "err", err) // validated: cannot happen
+		}
+	}
 	if p.client != nil && p.client.changed {
 		d.client, d.api, d.credSrc = p.client.client, p.client.api, p.client.source
 	}
@@ -205,6 +235,7 @@ func (d *daemon) applyConfig(next config) error {
 			d.log.Error("reload: the poll loops kept their configuration", "err", err)
 		}
 	}
+	var oldAdmin *adminServer
 	if plan.Admin {
 		if p.handlerOnly {
 			if d.admin != nil && d.admin.srv != nil {
@@ -212,29 +243,24 @@ func (d *daemon) applyConfig(next config) error {
 			}
 		} else {
 			p.admin.serve(d.log)
-			old := d.admin
-			d.admin = p.admin
-			old.close() // the new socket serves before the old one stops
+			oldAdmin, d.admin = d.admin, p.admin
 		}
 	}
 	if plan.Log && d.logs != nil {
 		d.logs.set(next.Log)
 	}
-	if plan.Services {
-		d.metrics.SetServices(next.API.Services)
-	}
 	d.cfg = next
+	d.mu.Unlock()
+
+	// The new admin socket serves before the old one stops; its answers in
+	// flight may need d.mu, so it closes after the commit.
+	oldAdmin.close()
 	if plan.State {
-		// Saved there from now on: at once, changed pool or not. The save
-		// takes applyMu, which is taken before d.mu, so it runs after.
+		// Saved there from now on: at once, changed pool or not.
 		d.stateMoved.Store(true)
-		d.wg.Add(1)
-		go func() {
-			defer d.wg.Done()
-			d.applyMu.Lock()
-			defer d.applyMu.Unlock()
-			d.saveState()
-		}()
+		d.applyMu.Lock()
+		d.saveState()
+		d.applyMu.Unlock()
 	}
 	d.events.Record(pool.Event{Kind: pool.EventReload, Reason: strings.Join(plan.changed(), ",")})
 	d.log.Info("config reloaded", "changed", plan.changed())
@@ -250,18 +276,21 @@ type clientSwap struct {
 }
 
 // prepareClient resolves the credential of next's [api] and builds its
-// client. A credential the running process cannot see change (the
-// environment, systemd's credentials) is refused when the file's credential
-// keys changed: the change could not take effect.
-func (d *daemon) prepareClient(next config) (*clientSwap, error) {
-	if agent.FixedSource(d.credSrc) && credentialKeys(d.cfg.API) != credentialKeys(next.API) {
-		return nil, keyError{Key: "api", Msg: fmt.Sprintf("the API credential comes from %s, which is fixed while proxyd runs: restart proxyd to change it", d.credSrc)}
-	}
+// client. When the file's credential keys changed but the credential still
+// comes from where the running process cannot see it change (the
+// environment, systemd's credentials), the change could not take effect:
+// the reload is refused with that reason.
+func (d *daemon) prepareClient(old, next config) (*clientSwap, error) {
 	c, api, src, err := d.newClient(next.API)
 	if err != nil {
 		return nil, err
 	}
+	if agent.FixedSource(src) && credentialKeys(old.API) != credentialKeys(next.API) {
+		return nil, keyError{Key: "api", Msg: fmt.Sprintf("the API credential comes from %s, which is fixed while proxyd runs: restart proxyd to change it", src)}
+	}
+	d.mu.Lock()
 	running := d.api
+	d.mu.Unlock()
 	same := api.BaseURL == running.BaseURL && api.Token == running.Token && api.Login == running.Login &&
 		api.Password == running.Password && api.Timeout == running.Timeout
 	return &clientSwap{client: c, api: api, source: src, changed: !same}, nil
@@ -285,20 +314,39 @@ func checkWritableDir(dir string) error {
 	return os.Remove(f.Name())
 }
 
-// swapListeners starts the listeners that are new or changed and retires
-// the ones that left or changed; unchanged ones keep running untouched. On
-// error every listener is as it was; d.mu is held.
-func (d *daemon) swapListeners(next config) error {
-	// Listeners whose settings are unchanged keep running. The others get
-	// a new incarnation: on the socket already bound to their address if
-	// there is one (so its backlog is kept), else on a new socket. Only
-	// when all are in place do the old incarnations drain.
-	old := d.listeners
+// socketPlan says, for the listeners of next that are new or changed,
+// which take over the socket of a running listener on their address (so its
+// backlog is kept) and which need a socket of their own.
+func socketPlan(running map[string]*runningListener, next config) (take map[string]*runningListener, bind []listenerConfig) {
 	byAddr := map[string]*runningListener{}
-	for _, rl := range old {
+	for _, rl := range running {
 		byAddr[rl.cfg.Address] = rl
 		byAddr[rl.acc.ln.Addr().String()] = rl // a ":0" address, as bound
 	}
+	take = map[string]*runningListener{}
+	for _, lc := range next.Listener {
+		if rl, ok := running[lc.Name]; ok && reflect.DeepEqual(rl.cfg, lc) {
+			continue // unchanged: keeps running
+		}
+		if owner, ok := byAddr[lc.Address]; ok && !strings.HasSuffix(lc.Address, ":0") {
+			if kept, ok := next.listenerNamed(owner.cfg.Name); !ok || !reflect.DeepEqual(kept, owner.cfg) {
+				take[lc.Name] = owner
+				continue
+			}
+		}
+		bind = append(bind, lc)
+	}
+	return take, bind
+}
+
+// swapListeners starts the listeners that are new or changed, on the
+// sockets prepare bound or taken over from the running listener on their
+// address, and retires the ones that left or changed; unchanged ones keep
+// running untouched. Only when all are in place do the old incarnations
+// drain. On error every listener is as it was; d.mu is held.
+func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) error {
+	old := d.listeners
+	take, _ := socketPlan(old, next)
 	type handover struct {
 		acc   *acceptor
 		owner *runningListener
@@ -326,11 +374,12 @@ func (d *daemon) swapListeners(next config) error {
 			continue
 		}
 		var acc *acceptor
-		if owner, ok := byAddr[lc.Address]; ok && !strings.HasSuffix(lc.Address, ":0") {
-			if kept, ok := next.listenerNamed(owner.cfg.Name); !ok || !reflect.DeepEqual(kept, owner.cfg) {
-				acc = owner.acc
-				took = append(took, handover{acc: acc, owner: owner})
-			}
+		if owner, ok := take[lc.Name]; ok {
+			acc = owner.acc
+			took = append(took, handover{acc: acc, owner: owner})
+		} else if ln, ok := sockets[lc.Name]; ok {
+			acc = newAcceptor(ln, d.log.With("listener", lc.Name))
+			delete(sockets, lc.Name) // the acceptor owns it now
 		}
 		if err := d.startListener(lc, acc); err != nil {
 			return undo(err)

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -109,22 +110,99 @@ func TestReloadRefusedChangesNothing(t *testing.T) {
 	if evs := e.d.events.Events(pool.EventFilter{Kind: pool.EventReloadFailed}); len(evs) != 1 || !strings.Contains(evs[0].Reason, "admin.address") {
 		t.Errorf("reload_failed events: %+v", evs)
 	}
-	// A state dir the process cannot write is refused the same way.
-	ro := filepath.Join(t.TempDir(), "ro")
-	os.Mkdir(ro, 0o500)
+	// A state dir the process cannot create is refused the same way (a
+	// path below a regular file: refused to root too).
+	file := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(file, nil, 0o600)
 	next = e.cfg
-	next.State.Dir = filepath.Join(ro, "state")
-	if os.Geteuid() != 0 { // root writes anywhere
-		if err := e.d.Reload(next); err == nil || !strings.Contains(err.Error(), "state.dir") {
-			t.Errorf("reload onto an unwritable state dir: %v", err)
-		}
+	next.State.Dir = filepath.Join(file, "state")
+	next.Pool.Strategy = pool.Latency
+	if err := e.d.Reload(next); err == nil || !strings.Contains(err.Error(), "state.dir") {
+		t.Errorf("reload onto an unwritable state dir: %v", err)
+	}
+	if got := e.d.pool.Config().Strategy; got != pool.RoundRobin || e.d.stateDir() != e.cfg.State.Dir {
+		t.Errorf("after a refused state dir: strategy %q, state dir %s", got, e.d.stateDir())
 	}
 	// And a credential the process cannot see change.
 	envCfg := e.cfg
 	envCfg.API.Token = "other"
+	envCfg.Pool.Strategy = pool.Latency
 	if err := e.d.Reload(envCfg); err == nil || !strings.Contains(err.Error(), "PROXYD_API_TOKEN") {
 		t.Errorf("reload changing the token while PROXYD_API_TOKEN is set: %v", err)
 	}
+	if got := e.d.pool.Config().Strategy; got != pool.RoundRobin {
+		t.Errorf("after a refused credential change: strategy %q", got)
+	}
+}
+
+// TestReloadRefusedListenerChangesNothing: a reload that changes a listener
+// and adds one on a port that is taken is refused before anything changes:
+// the changed listener keeps running as it was (a tunnel through it stays
+// open past the drain timeout), the pool keeps its strategy.
+func TestReloadRefusedListenerChangesNothing(t *testing.T) {
+	w := newWorld(t)
+	fixed := freePort(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) {
+		c.Listener[0].Address = fixed
+		c.Shutdown.DrainTimeout = 200 * time.Millisecond
+	})
+	e.waitReady()
+	tunnel := connectTunnel(t, fixed, echoServer(t))
+	defer tunnel.Close()
+	roundTrip(t, tunnel, "before")
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	next := e.cfg
+	next.Pool.Strategy = pool.Latency
+	next.Listener = append([]listenerConfig(nil), next.Listener...)
+	next.Listener[0].IdleTimeout = time.Minute // changed: would take the socket over
+	extra := defaultListener()
+	extra.Name, extra.Protocol, extra.Upstream, extra.Address = "extra", "http", "http", busy.Addr().String()
+	next.Listener = append(next.Listener, extra)
+	if err := e.d.Reload(next); err == nil || !strings.Contains(err.Error(), "listener extra") {
+		t.Fatalf("reload onto a taken port: %v", err)
+	}
+	if got := e.d.pool.Config().Strategy; got != pool.RoundRobin {
+		t.Errorf("pool strategy after a refused reload: %q", got)
+	}
+	time.Sleep(2 * e.cfg.Shutdown.DrainTimeout) // past a drain that must not have begun
+	roundTrip(t, tunnel, "after the refused reload")
+	if e.d.listenerAddr("extra") != "" {
+		t.Error("the refused listener is running")
+	}
+}
+
+// TestReloadOfPrintedConfigChangesNothing: reloading the config that
+// check -print printed is no change at all (an empty array and an absent
+// key are the same).
+func TestReloadOfPrintedConfigChangesNothing(t *testing.T) {
+	for _, name := range []string{"print_full.toml", "print_minimal.toml", "zeros_kept.toml"} {
+		cfg, err := loadConfig(filepath.Join("testdata", "config", name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		again, err := parseConfig(printConfig(cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		again = restoreSecrets(again, cfg)
+		if p := planReload(cfg, again); p != (reloadPlan{}) && p != (reloadPlan{Admin: cfg.Admin.TokenFile != ""}) {
+			t.Errorf("%s: reloading the printed config plans %v", name, p.changed())
+		}
+	}
+}
+
+// restoreSecrets puts back the secrets -print leaves out.
+func restoreSecrets(c, from config) config {
+	c.API.Token, c.API.Password, c.Admin.Token = from.API.Token, from.API.Password, from.Admin.Token
+	c.Listener = slices.Clone(c.Listener)
+	for i := range c.Listener {
+		c.Listener[i].Users = slices.Clone(from.Listener[i].Users)
+	}
+	return c
 }
 
 // tokenGate fronts a simulated provider with a different API token: it
@@ -154,7 +232,7 @@ func tokenGate(t *testing.T, simURL, token string) string {
 
 // reloadConfig is the config file of TestReloadEverySection.
 type reloadConfig struct {
-	baseURL, tokenFile, stateDir, strategy, admin, logFormat, listen string
+	baseURL, tokenFile, stateDir, strategy, admin, logFormat, listen, idle string
 }
 
 func (c reloadConfig) write(t *testing.T, path string) {
@@ -193,7 +271,8 @@ protocol = "http"
 address = %q
 kind = "fpr"
 allow_destinations = ["127.0.0.0/8"]
-`, c.baseURL, c.tokenFile, c.stateDir, c.strategy, c.admin, c.logFormat, c.listen)
+idle_timeout = %q
+`, c.baseURL, c.tokenFile, c.stateDir, c.strategy, c.admin, c.logFormat, c.listen, c.idle)
 	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -206,8 +285,9 @@ var viaRE = regexp.MustCompile(` via (\S+)`)
 // changes the picks and keeps the health state of upstreams that stay; a
 // moved admin address serves while the old one stops; a new log format and
 // state dir take effect; a new [api] base_url and token switch the pool to
-// the new provider's upstreams within one poll. The tunnel opened before
-// the first reload loses no byte, and no request fails.
+// the new provider's upstreams within one poll; a changed listener keeps
+// its socket. The tunnel opened before the first reload loses no byte
+// through all of them, and no request fails.
 func TestReloadEverySection(t *testing.T) {
 	bin := proxydBinary(t)
 	a, b := newWorld(t), newWorld(t)
@@ -217,7 +297,7 @@ func TestReloadEverySection(t *testing.T) {
 	os.WriteFile(tokenFile, []byte(providersim.DefaultToken+"\n"), 0o600)
 	cfgPath := filepath.Join(dir, "config.toml")
 	cfg := reloadConfig{baseURL: a.simURL, tokenFile: tokenFile, stateDir: filepath.Join(dir, "state1"),
-		strategy: "round-robin", admin: freePort(t), logFormat: "text", listen: freePort(t)}
+		strategy: "round-robin", admin: freePort(t), logFormat: "text", listen: freePort(t), idle: "5m"}
 	cfg.write(t, cfgPath)
 
 	cmd, stderr, _ := runBinary(t, bin, cfgPath)
@@ -358,6 +438,14 @@ func TestReloadEverySection(t *testing.T) {
 		c.Close()
 		return false
 	})
+
+	// [[listener]]: a changed listener takes its socket over; the tunnel of
+	// its old incarnation goes on.
+	cfg.idle = "4m"
+	reload("[[listener]] idle_timeout")
+	if _, err := carrier(); err != nil {
+		t.Errorf("a request through the changed listener: %v", err)
+	}
 
 	// [log] and [state]: JSON lines from now on; the state saved in the new dir.
 	cfg.logFormat = "json"
