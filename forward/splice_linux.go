@@ -25,10 +25,9 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 	if err != nil {
 		return t.pumpBuffered(dst, src)
 	}
-	w := &queueWait{}
+	w := &queueWait{lr: io.LimitedReader{R: src}}
 	w.fn = w.check
 	deadline := readDeadline{conn: src, idle: t.idle}
-	lr := &io.LimitedReader{R: src}
 	var n int64
 	for {
 		deadline.arm()
@@ -49,8 +48,8 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 			t.halfClose(dst)
 			return n
 		}
-		lr.N = int64(w.queued)
-		m, err := copyQueued(dst, lr)
+		w.lr.N = int64(w.queued)
+		m, err := copyQueued(dst, &w.lr)
 		n += m
 		t.touch()
 		if err != nil {
@@ -72,8 +71,8 @@ func copyQueued(dst net.Conn, lr *io.LimitedReader) (int64, error) {
 }
 
 // queueWait is the check a direction makes inside src's readiness wait,
-// kept on the heap with its function value so that a wait allocates
-// nothing.
+// and the reader of what it found, kept on the heap with its function value
+// so that a turn allocates nothing.
 type queueWait struct {
 	fn     func(fd uintptr) bool
 	peek   [1]byte
@@ -81,6 +80,7 @@ type queueWait struct {
 	err    error
 	calls  int  // calls of check in this wait
 	bulk   bool // the last wait found bytes at once
+	lr     io.LimitedReader
 }
 
 // check reports whether src has something for the direction: bytes queued,
