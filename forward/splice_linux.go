@@ -31,7 +31,7 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 	var n int64
 	for {
 		deadline.arm()
-		w.queued, w.err, w.calls = 0, nil, 0
+		w.queued, w.err = 0, nil
 		err := rc.Read(w.fn)
 		if err == nil {
 			err = w.err
@@ -78,27 +78,16 @@ type queueWait struct {
 	peek   [1]byte
 	queued int // bytes waiting; 0 with err nil: EOF
 	err    error
-	calls  int  // calls of check in this wait
-	bulk   bool // the last wait found bytes at once
 	lr     io.LimitedReader
 }
 
 // check reports whether src has something for the direction: bytes queued,
-// an EOF or an error. SIOCINQ counts queued bytes but says 0 both for
-// nothing yet and for EOF; a one-byte peek tells those apart. Which to ask
-// first is a guess at the answer, to make one system call where one does:
-// the count when bytes are likely (after a wake-up, or in a direction that
-// found bytes at once last time: bulk), the peek otherwise (request and
-// answer, where a direction that has moved its bytes usually finds nothing
-// more and parks).
+// an EOF or an error. SIOCINQ counts the queued bytes; only when it says
+// none does a one-byte peek tell EOF and errors from "nothing yet".
 func (w *queueWait) check(fd uintptr) bool {
-	w.calls++
-	first := w.calls == 1
-	if !first || w.bulk {
-		if q, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil && q > 0 {
-			w.queued = q
-			return true
-		}
+	if q, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil && q > 0 {
+		w.queued = q
+		return true
 	}
 	for {
 		n, _, err := unix.Recvfrom(int(fd), w.peek[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
@@ -106,21 +95,13 @@ func (w *queueWait) check(fd uintptr) bool {
 		case errors.Is(err, syscall.EINTR):
 			continue
 		case errors.Is(err, syscall.EAGAIN):
-			if first {
-				w.bulk = false
-			}
 			return false
 		case err != nil:
 			w.err = &net.OpError{Op: "read", Net: "tcp", Err: err}
 		case n > 0:
-			q, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
-			if err != nil || q <= 0 {
-				q = 1 // urgent data, or a race: move at least the byte seen
-			}
-			w.queued = q
-			if first {
-				w.bulk = true
-			}
+			// SIOCINQ said nothing (urgent data, or a race): move at least
+			// the byte seen.
+			w.queued = 1
 		}
 		return true
 	}
