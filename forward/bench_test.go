@@ -25,8 +25,12 @@ import (
 // Benchmarks compare the same load straight to the same upstream (the
 // baseline) with the load through proxyd, in the same run, and report the
 // ratio proxied/direct as "ratio". Each iteration runs a whole load both
-// ways; run with -benchtime=10x or more (BENCHMARKS.md: a single round's
-// ratio moves widely on a small VM), 1x for a quick look.
+// ways; run with -benchtime=10x or more (a single round's ratio moves
+// widely on a small VM), 1x for a quick look. The upstreams are the test
+// upstreams, which copy through user-space buffers and so make direct
+// slower than real upstreams do: these ratios run higher than those of the
+// out-of-process rig that BENCHMARKS.md reports, and only the rig compares
+// proxyd with a plain io.Copy forwarder.
 
 // benchListener serves cfg on loopback for a benchmark.
 func benchListener(b *testing.B, cfg Config, p Pool) string {
@@ -87,8 +91,8 @@ func tunnelVia(protocol pool.Protocol, proxyAddr, dest string) (net.Conn, io.Rea
 // takes per read moves every party's CPU cost (the upstream's and proxyd's
 // writes wait on it), so the HTTP and SOCKS5 loads read alike. (Until
 // November 2026 the SOCKS5 load read 8 KiB per call through io.Discard's
-// ReadFrom while the HTTP load read through its 64 KiB bufio.Reader;
-// BENCHMARKS.md keeps the figures of both.)
+// ReadFrom while the HTTP load read through its 64 KiB bufio.Reader, and
+// the SOCKS5 ratios were lower for it.)
 func drain(r io.Reader) (int64, error) {
 	return io.CopyBuffer(struct{ io.Writer }{io.Discard}, struct{ io.Reader }{r}, make([]byte, 64<<10))
 }
