@@ -480,8 +480,17 @@ func (lp *loop) sendHedge(first *try, done chan struct{}) {
 func (lp *loop) settle(t *try) {
 	l := lp.l
 	r := &t.res
-	_, ended := loopCause(t.ctx) // called off, or response_timeout, just as the answer came
 	lp.mu.Lock()
+	// Called off, or response_timeout, just as the answer came: read under
+	// the lock that expire and the winner cancel under.
+	_, ended := loopCause(t.ctx)
+	if r.h.what == wAnswered && gatewayAnswer(t, r) && len(lp.inflight) > 1 {
+		// Through an HTTP upstream a 502, 503 or 504 may be the upstream's
+		// own failure: it does not win the race while another attempt may
+		// still bring the destination's answer, and blames nobody.
+		r.discard()
+		r.h = happened{what: wCalledOff}
+	}
 	if r.h.what == wAnswered {
 		if lp.winner == nil && !ended {
 			lp.winner = t
@@ -508,7 +517,11 @@ func (lp *loop) settle(t *try) {
 	}
 	won := lp.winner == t
 	lp.mu.Unlock()
-	if r.h.what != wAnswered {
+	if r.dialed && t.up.Protocol == pool.SOCKS5 {
+		// Its SOCKS5 reply opened the connection: the upstream answered.
+		l.answers.note(t.up.ID())
+	}
+	if r.h.what != wAnswered && r.h.what != wCalledOff {
 		// An attempt the loop ended says why the loop ended it.
 		if w, ok := loopCause(t.ctx); ok && t.ctx.Err() != nil {
 			r.h = happened{what: w}
@@ -528,6 +541,19 @@ func (lp *loop) settle(t *try) {
 	l.log.Debug("upstream attempt failed", "upstream", t.up.ID(), "result", t.result.String(), "hedge", t.hedge, "err", r.err)
 	l.pool.Report(t.up, t.result, r.took)
 	l.pool.Release(t.up)
+}
+
+// gatewayAnswer reports whether an answer head through an HTTP upstream is
+// a 502, 503 or 504, which the upstream may have generated itself.
+func gatewayAnswer(t *try, r *tryResult) bool {
+	if t.up.Protocol != pool.HTTP || r.resp == nil {
+		return false
+	}
+	switch r.resp.StatusCode {
+	case http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return true
+	}
+	return false
 }
 
 // answeredSomething reports whether the upstream said anything at all.

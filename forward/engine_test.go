@@ -684,3 +684,84 @@ func TestSilentUpstreamBlamed(t *testing.T) {
 		})
 	}
 }
+
+// TestHedgeGatewayAnswerDoesNotWin: a 502 from the hedge's HTTP upstream
+// may be that upstream's own failure, so it does not win the race while the
+// first attempt may still bring the destination's answer, and it blames
+// nobody; the destination's answer through the first upstream wins.
+func TestHedgeGatewayAnswerDoesNotWin(t *testing.T) {
+	checkLeaks(t)
+	const hedge = 200 * time.Millisecond
+	origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-time.After(3 * hedge):
+		case <-r.Context().Done():
+			return
+		}
+		_, _ = io.WriteString(w, "ok")
+	}))
+	first := newHTTPUpstream(t, "", "", nil)
+	failing := newHTTPUpstream(t, "", "", nil)
+	failing.mode.Store(int32(mode502)) // answers 502 itself, at once
+	p := newFakePool(first.upstream(1), failing.upstream(2))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.HedgeDelay = hedge }), p)
+	hc := tl.httpClient(t, "", "")
+	if code, body := getBody(t, hc, "http://"+origin+"/"); code != 200 || body != "ok" {
+		t.Fatalf("%d %q, want the destination's answer through the first upstream", code, body)
+	}
+	hc.Transport.(*http.Transport).CloseIdleConnections()
+	p.waitBalanced(t)
+	if r := p.Reports(); len(r) != 2 || r[0] != (report{failing.upstream(2).ID(), pool.Canceled}) ||
+		r[1] != (report{first.upstream(1).ID(), pool.Success}) {
+		t.Errorf("reports %+v, want the 502 hedge without verdict, then the first ok", r)
+	}
+}
+
+// TestSlowDestinationThroughSOCKS5: through a SOCKS5 upstream the reply to
+// the connect proved the upstream, so a plain request whose destination
+// does not answer within response_timeout blames nobody, even while other
+// upstreams of the listener answer other requests.
+func TestSlowDestinationThroughSOCKS5(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			select {
+			case <-time.After(3 * time.Second):
+			case <-r.Context().Done():
+				return
+			}
+		}
+		echoHandler(w, r)
+	}))
+	socks := newSOCKSUpstream(t, "", "", nil)
+	good := newHTTPUpstream(t, "", "", nil)
+	p := newFakePool(socks.upstream(1), good.upstream(2))
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.ResponseTimeout = time.Second
+	}), p)
+	hc := tl.httpClient(t, "", "")
+	done := make(chan int, 1)
+	go func() {
+		resp, err := hc.Get("http://" + origin + "/slow")
+		if err != nil {
+			done <- 0
+			return
+		}
+		_ = resp.Body.Close()
+		done <- resp.StatusCode
+	}()
+	waitFor(t, 5*time.Second, func() bool { return len(p.Picks()) == 1 }, "the slow GET picked")
+	req, _ := http.NewRequest("GET", "http://"+origin+"/", nil)
+	getEcho(t, tl.httpClient(t, "", ""), req) // another upstream answers meanwhile
+	if code := <-done; code != http.StatusGatewayTimeout {
+		t.Errorf("slow GET: %d, want 504", code)
+	}
+	hc.Transport.(*http.Transport).CloseIdleConnections()
+	p.waitBalanced(t)
+	for _, r := range p.Reports() {
+		if r.id == socks.upstream(1).ID() && r.res != pool.DestinationError {
+			t.Errorf("the SOCKS5 upstream was reported %s, want destination_error", r.res)
+		}
+	}
+}
