@@ -71,6 +71,10 @@ const (
 	// wLocal: proxyd itself could not open a connection (out of file
 	// descriptors or buffers): nobody else's fault.
 	wLocal
+	// wDestinationGone: a SOCKS5 upstream's tunnel reached the destination,
+	// and the destination closed it, reset it or sent no valid answer head:
+	// the upstream only carried the bytes.
+	wDestinationGone
 	numWhat
 )
 
@@ -140,7 +144,7 @@ func classify(h happened) pool.Result {
 		return pool.ProxyError
 	case wSOCKSAuth:
 		return pool.AuthRejected
-	case wSOCKSAddress, wTLS, wResponseTimeout:
+	case wSOCKSAddress, wTLS, wResponseTimeout, wDestinationGone:
 		return pool.DestinationError
 	}
 	return pool.Canceled // wCalledOff, wClientGone, wStale, wLocal: no verdict

@@ -69,6 +69,7 @@ func TestClassify(t *testing.T) {
 		{"client left, body broke or stalled", happened{what: wClientGone}, pool.Canceled, OutcomeClientError, 400, socks5.ReplyGeneralFailure},
 		{"kept connection closed under the request", happened{what: wStale}, pool.Canceled, upErr, 502, socks5.ReplyGeneralFailure},
 		{"out of file descriptors here", happened{what: wLocal}, pool.Canceled, upErr, 503, socks5.ReplyGeneralFailure},
+		{"destination closed the open tunnel", happened{what: wDestinationGone}, pool.DestinationError, destErr, 502, socks5.ReplyHostUnreachable},
 	} {
 		res := classify(tc.h)
 		if res != tc.res {
@@ -91,7 +92,7 @@ func TestClassify(t *testing.T) {
 		seen[w] = false
 	}
 	for _, w := range []what{wAnswered, wDialRefused, wDialTimeout, wNoAnswer, wProxyAnswer, wSOCKSReply, wSOCKSAuth,
-		wSOCKSAddress, wTLS, wResponseTimeout, wSilent, wOutrun, wCalledOff, wClientGone, wStale, wLocal} {
+		wSOCKSAddress, wTLS, wResponseTimeout, wSilent, wOutrun, wCalledOff, wClientGone, wStale, wLocal, wDestinationGone} {
 		seen[w] = true
 	}
 	for w, ok := range seen {
@@ -763,5 +764,54 @@ func TestSlowDestinationThroughSOCKS5(t *testing.T) {
 		if r.id == socks.upstream(1).ID() && r.res != pool.DestinationError {
 			t.Errorf("the SOCKS5 upstream was reported %s, want destination_error", r.res)
 		}
+	}
+}
+
+// TestDestinationClosesThroughSOCKS5: a destination that reads a plain
+// request and closes without answering, through a SOCKS5 upstream whose
+// tunnel was open, is the destination's failure: no upstream is blamed and
+// the request is not sent again.
+func TestDestinationClosesThroughSOCKS5(t *testing.T) {
+	checkLeaks(t)
+	var hits atomic.Int64
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			hits.Add(1)
+			br := bufio.NewReader(c)
+			_, _ = http.ReadRequest(br) // read it, then close without a word
+			_ = c.Close()
+		}
+	}()
+	a, b := newSOCKSUpstream(t, "", "", nil), newSOCKSUpstream(t, "", "", nil)
+	p := newFakePool(a.upstream(1), b.upstream(2))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	hc := tl.httpClient(t, "", "")
+	resp, err := hc.Get("http://" + ln.Addr().String() + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Errorf("status %d, want 502", resp.StatusCode)
+	}
+	hc.Transport.(*http.Transport).CloseIdleConnections()
+	p.waitBalanced(t)
+	if r := p.Reports(); len(r) != 1 || r[0] != (report{a.upstream(1).ID(), pool.DestinationError}) {
+		t.Errorf("reports %+v, want one destination_error", r)
+	}
+	if n := hits.Load(); n != 1 {
+		t.Errorf("destination got %d requests, want 1", n)
 	}
 }

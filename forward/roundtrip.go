@@ -472,6 +472,11 @@ func (l *Listener) plainAttempt(ctx context.Context, req *http.Request, rb *repl
 		// The upstream carried the connection; the destination's TLS did
 		// not hold (an untrusted or wrong certificate, no TLS at all).
 		r.h.what = wTLS
+	case up.Protocol == pool.SOCKS5:
+		// A SOCKS5 tunnel to the destination carried the request (its
+		// handshake's failures are aerr's): what broke after it was open
+		// is the destination's.
+		r.h.what, r.sent = wDestinationGone, true
 	default:
 		r.h.what, r.sent = wNoAnswer, true // no or malformed answer
 	}
