@@ -271,8 +271,11 @@ func TestHedgeOnlyWhereAllowed(t *testing.T) {
 		_, _ = io.WriteString(w, "ok")
 	}))
 	a, b := newHTTPUpstream(t, "", "", nil), newHTTPUpstream(t, "", "", nil)
+	sa := newSOCKSUpstream(t, "", "", nil)
 	ppr := *a.upstream(3)
 	ppr.Kind = pool.PPR
+	pprSecond := *b.upstream(4) // a hedge's own pick is checked too
+	pprSecond.Kind = pool.PPR
 	for _, tc := range []struct {
 		name   string
 		hedge  time.Duration
@@ -289,6 +292,9 @@ func TestHedgeOnlyWhereAllowed(t *testing.T) {
 		{"POST with Idempotency-Key", 100 * time.Millisecond, []*pool.Upstream{a.upstream(1), b.upstream(2)}, "", "POST", "", "Idempotency-Key", 1},
 		{"sticky", 100 * time.Millisecond, []*pool.Upstream{a.upstream(1), b.upstream(2)}, "session-k1", "GET", "", "", 0},
 		{"ppr", 100 * time.Millisecond, []*pool.Upstream{&ppr, b.upstream(2)}, "", "GET", "", "", 0},
+		{"ppr as the hedge's pick", 100 * time.Millisecond, []*pool.Upstream{a.upstream(1), &pprSecond}, "", "GET", "", "", 0},
+		{"GET with a body", 100 * time.Millisecond, []*pool.Upstream{a.upstream(1), b.upstream(2)}, "", "GET", "x", "", 0},
+		{"through a SOCKS5 upstream", 100 * time.Millisecond, []*pool.Upstream{sa.upstream(5), b.upstream(2)}, "", "GET", "", "", 0},
 		{"off", 0, []*pool.Upstream{a.upstream(1), b.upstream(2)}, "", "GET", "", "", 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -320,8 +326,12 @@ func TestHedgeOnlyWhereAllowed(t *testing.T) {
 			if hedged != tc.want {
 				t.Errorf("hedged %d, want %d", hedged, tc.want)
 			}
-			if f := failures(p); len(f) != 0 && tc.want == 0 {
-				t.Errorf("failures %v", f)
+			for _, f := range failures(p) {
+				// A pick given back unused (the hedge's ppr pick) is
+				// reported without verdict; anything else is a failure.
+				if tc.want == 0 && (f.res != pool.Canceled || f.id != pprSecond.ID()) {
+					t.Errorf("failure %v", f)
+				}
 			}
 		})
 	}
