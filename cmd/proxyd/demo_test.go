@@ -20,25 +20,7 @@ import (
 // command it prints, then stops it as Ctrl-C would.
 func TestDemo(t *testing.T) {
 	httpAddr, socksAddr, adminAddr := freePort(t), freePort(t), freePort(t)
-	out := &lockedWriter{w: &strings.Builder{}}
-	errOut := &lockedWriter{w: &strings.Builder{}}
-	ctx, cancel := context.WithCancel(context.Background())
-	code := make(chan int, 1)
-	go func() {
-		code <- runMain(ctx, []string{"demo", "-http", httpAddr, "-socks", socksAddr, "-admin", adminAddr, "-faults", "300ms"},
-			stdio{in: strings.NewReader(""), out: out, err: errOut, getenv: func(string) string { return "" }})
-	}()
-	defer func() {
-		cancel()
-		select {
-		case c := <-code:
-			if c != 0 {
-				t.Errorf("demo exited %d: %s", c, errOut.String())
-			}
-		case <-time.After(40 * time.Second):
-			t.Error("demo did not stop")
-		}
-	}()
+	out, errOut := runDemo(t, httpAddr, socksAddr, adminAddr, "300ms")
 	var cmd []string
 	waitFor(t, "the demo's instructions", 15*time.Second, func() bool {
 		m := regexp.MustCompile(`curl -x http://(\S+) (\S+)`).FindStringSubmatch(out.String())
@@ -68,6 +50,32 @@ func TestDemo(t *testing.T) {
 	}
 }
 
+// runDemo runs `proxyd demo` on the given addresses until the test ends,
+// then stops it as Ctrl-C would and checks that it exited 0.
+func runDemo(t *testing.T, httpAddr, socksAddr, adminAddr, faults string) (out, errOut *lockedWriter) {
+	t.Helper()
+	out = &lockedWriter{w: &strings.Builder{}}
+	errOut = &lockedWriter{w: &strings.Builder{}}
+	ctx, cancel := context.WithCancel(context.Background())
+	code := make(chan int, 1)
+	go func() {
+		code <- runMain(ctx, []string{"demo", "-http", httpAddr, "-socks", socksAddr, "-admin", adminAddr, "-faults", faults},
+			stdio{in: strings.NewReader(""), out: out, err: errOut, getenv: func(string) string { return "" }})
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case c := <-code:
+			if c != 0 {
+				t.Errorf("demo exited %d: %s", c, errOut.String())
+			}
+		case <-time.After(40 * time.Second):
+			t.Error("demo did not stop")
+		}
+	})
+	return out, errOut
+}
+
 func TestDemoPortTaken(t *testing.T) {
 	w := newWorld(t) // anything that holds a port
 	taken := w.simURL[len("http://"):]
@@ -93,25 +101,7 @@ func via(body string) string {
 // name the same upstream, eight plain ones name more than one.
 func TestDemoShowsUpstreams(t *testing.T) {
 	httpAddr, socksAddr, adminAddr := freePort(t), freePort(t), freePort(t)
-	out := &lockedWriter{w: &strings.Builder{}}
-	errOut := &lockedWriter{w: &strings.Builder{}}
-	ctx, cancel := context.WithCancel(context.Background())
-	code := make(chan int, 1)
-	go func() {
-		code <- runMain(ctx, []string{"demo", "-http", httpAddr, "-socks", socksAddr, "-admin", adminAddr, "-faults", "0"},
-			stdio{in: strings.NewReader(""), out: out, err: errOut, getenv: func(string) string { return "" }})
-	}()
-	defer func() {
-		cancel()
-		select {
-		case c := <-code:
-			if c != 0 {
-				t.Errorf("demo exited %d: %s", c, errOut.String())
-			}
-		case <-time.After(40 * time.Second):
-			t.Error("demo did not stop")
-		}
-	}()
+	out, _ := runDemo(t, httpAddr, socksAddr, adminAddr, "0")
 	var sticky []string
 	waitFor(t, "the demo's instructions", 15*time.Second, func() bool {
 		sticky = regexp.MustCompile(`curl -x http://session-demo1:x@(\S+) (\S+)`).FindStringSubmatch(out.String())
