@@ -212,15 +212,7 @@ func TestHedgeBlame(t *testing.T) {
 			_, _ = io.WriteString(w, "ok")
 		}))
 		a, b := newHTTPUpstream(t, "", "", nil), newHTTPUpstream(t, "", "", nil)
-		p := newFakePool(a.upstream(1), b.upstream(2))
-		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.HedgeDelay = hedge }), p)
-		hc := tl.httpClient(t, "", "")
-		if code, body := getBody(t, hc, "http://"+origin+"/"); code != 200 || body != "ok" {
-			t.Fatalf("%d %q", code, body)
-		}
-		hc.Transport.(*http.Transport).CloseIdleConnections()
-		p.waitBalanced(t)
-		if r := p.Reports(); len(r) != 2 || r[0] != (report{b.upstream(2).ID(), pool.Canceled}) ||
+		if r := hedgedGet(t, origin, hedge, a.upstream(1), b.upstream(2)); len(r) != 2 || r[0] != (report{b.upstream(2).ID(), pool.Canceled}) ||
 			r[1] != (report{a.upstream(1).ID(), pool.Success}) {
 			t.Errorf("reports %+v, want the hedge canceled, then the first ok", r)
 		}
@@ -241,19 +233,27 @@ func TestHedgeBlame(t *testing.T) {
 		silent := newHTTPUpstream(t, "", "", nil)
 		silent.mode.Store(int32(modeHang))
 		good := newHTTPUpstream(t, "", "", nil)
-		p := newFakePool(silent.upstream(1), good.upstream(2))
-		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.HedgeDelay = hedge }), p)
-		hc := tl.httpClient(t, "", "")
-		if code, body := getBody(t, hc, "http://"+origin+"/"); code != 200 || body != "ok" {
-			t.Fatalf("%d %q", code, body)
-		}
-		hc.Transport.(*http.Transport).CloseIdleConnections()
-		p.waitBalanced(t)
-		if r := p.Reports(); len(r) != 2 || r[0] != (report{silent.upstream(1).ID(), pool.Canceled}) ||
+		if r := hedgedGet(t, origin, hedge, silent.upstream(1), good.upstream(2)); len(r) != 2 || r[0] != (report{silent.upstream(1).ID(), pool.Canceled}) ||
 			r[1] != (report{good.upstream(2).ID(), pool.Success}) {
 			t.Errorf("reports %+v, want the first canceled (not blamed), then the hedge ok", r)
 		}
 	})
+}
+
+// hedgedGet sends one GET to origin through a listener over ups with
+// hedge_delay hedge, requires the destination's "ok", and returns what the
+// pool was told once every pick is released.
+func hedgedGet(t *testing.T, origin string, hedge time.Duration, ups ...*pool.Upstream) []report {
+	t.Helper()
+	p := newFakePool(ups...)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.HedgeDelay = hedge }), p)
+	hc := tl.httpClient(t, "", "")
+	if code, body := getBody(t, hc, "http://"+origin+"/"); code != 200 || body != "ok" {
+		t.Fatalf("%d %q, want the destination's ok", code, body)
+	}
+	hc.Transport.(*http.Transport).CloseIdleConnections()
+	p.waitBalanced(t)
+	return p.Reports()
 }
 
 // TestHedgeOnlyWhereAllowed: no hedge for a request with a body, a sticky
@@ -714,15 +714,7 @@ func TestHedgeGatewayAnswerDoesNotWin(t *testing.T) {
 	first := newHTTPUpstream(t, "", "", nil)
 	failing := newHTTPUpstream(t, "", "", nil)
 	failing.mode.Store(int32(mode502)) // answers 502 itself, at once
-	p := newFakePool(first.upstream(1), failing.upstream(2))
-	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.HedgeDelay = hedge }), p)
-	hc := tl.httpClient(t, "", "")
-	if code, body := getBody(t, hc, "http://"+origin+"/"); code != 200 || body != "ok" {
-		t.Fatalf("%d %q, want the destination's answer through the first upstream", code, body)
-	}
-	hc.Transport.(*http.Transport).CloseIdleConnections()
-	p.waitBalanced(t)
-	if r := p.Reports(); len(r) != 2 || r[0] != (report{failing.upstream(2).ID(), pool.Canceled}) ||
+	if r := hedgedGet(t, origin, hedge, first.upstream(1), failing.upstream(2)); len(r) != 2 || r[0] != (report{failing.upstream(2).ID(), pool.Canceled}) ||
 		r[1] != (report{first.upstream(1).ID(), pool.Success}) {
 		t.Errorf("reports %+v, want the 502 hedge without verdict, then the first ok", r)
 	}
