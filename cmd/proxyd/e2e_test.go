@@ -802,31 +802,8 @@ func TestDaemonReloadChangedListenerUnderLoad(t *testing.T) {
 	e := startDaemon(t, w, t.TempDir(), nil)
 	e.waitReady()
 	addr := e.d.listenerAddr("http")
-	var fails, oks atomic.Int64
-	var lastErr atomic.Value
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	stopLoad := sync.OnceFunc(func() { close(stop); wg.Wait() })
-	t.Cleanup(stopLoad) // also when the test fails early
-	for g := 0; g < 8; g++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				if err := plainGet(addr, w.origin); err != nil {
-					fails.Add(1)
-					lastErr.Store(err.Error())
-				} else {
-					oks.Add(1)
-				}
-			}
-		}()
-	}
+	ld := startLoad(t, 8, 0, func() error { return plainGet(addr, w.origin) })
+	fails, oks, lastErr, stopLoad := &ld.fails, &ld.oks, &ld.lastErr, ld.stop
 	cfg := e.cfg
 	for i := 0; i < 20; i++ {
 		next := cfg
@@ -858,6 +835,43 @@ func TestDaemonReloadChangedListenerUnderLoad(t *testing.T) {
 }
 
 // plainGet makes one plain-HTTP request through an HTTP proxy on a new connection.
+// load runs requests in goroutines until stop (also called when the test
+// ends), counting what succeeded and what failed.
+type load struct {
+	fails, oks atomic.Int64
+	lastErr    atomic.Value
+	stop       func()
+}
+
+// startLoad runs do in n goroutines, each pausing between its calls.
+func startLoad(t *testing.T, n int, pause time.Duration, do func() error) *load {
+	ld := &load{}
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	ld.stop = sync.OnceFunc(func() { close(done); wg.Wait() })
+	t.Cleanup(ld.stop)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-done:
+					return
+				case <-time.After(pause):
+				}
+				if err := do(); err != nil {
+					ld.fails.Add(1)
+					ld.lastErr.Store(err.Error())
+				} else {
+					ld.oks.Add(1)
+				}
+			}
+		}()
+	}
+	return ld
+}
+
 func plainGet(proxyAddr, origin string) error {
 	c, err := net.DialTimeout("tcp", proxyAddr, time.Second)
 	if err != nil {

@@ -15,8 +15,6 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -351,29 +349,9 @@ func TestReloadEverySection(t *testing.T) {
 	}
 
 	// Traffic that flows through every reload.
-	var fails, oks atomic.Int64
-	var lastErr atomic.Value
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			if _, err := carrier(); err != nil {
-				fails.Add(1)
-				lastErr.Store(err.Error())
-			} else {
-				oks.Add(1)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}()
-	defer func() { close(stop); wg.Wait() }()
+	ld := startLoad(t, 1, 20*time.Millisecond, func() error { _, err := carrier(); return err })
+	defer ld.stop()
+	fails, oks, lastErr := &ld.fails, &ld.oks, &ld.lastErr
 	var tunnel net.Conn // opened before the first reload, once the dead upstream is out
 
 	reload := func(what string) {
