@@ -21,11 +21,7 @@ import (
 
 type ctxKey int
 
-const (
-	connKey   ctxKey = iota // *clientConn of the request
-	keyKey                  // sticky key (string) of the request
-	writerKey               // http.ResponseWriter of the request
-)
+const connKey ctxKey = iota // *clientConn of the request
 
 // Short fixed answers: nothing from an error, a credential or an upstream
 // ever reaches a client's body.
@@ -70,7 +66,9 @@ func (l *Listener) initHTTP() {
 		plainError(w, http.StatusBadRequest, textBadRequest)
 	})
 	p.KeepAcceptEncoding = true // pass the client's choice through untouched
-	p.KeepHeader = false        // strip Proxy-Authorization (we strip more below)
+	// serveHTTP strips the hop-by-hop headers (Proxy-Authorization among
+	// them) before goproxy sees the request: a second pass finds nothing.
+	p.KeepHeader = true
 	p.KeepDestinationHeaders = false
 	p.AllowHTTP2 = false
 	rt := goproxy.RoundTripperFunc(l.roundTrip)
@@ -161,9 +159,9 @@ func (l *Listener) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	// Strip here, not in the RoundTripper: goproxy drops Connection before
 	// we would see which headers it names.
 	stripHop(r.Header, false)
-	ctx := context.WithValue(r.Context(), keyKey, key)
-	ctx = context.WithValue(ctx, writerKey, w)
-	l.proxy.ServeHTTP(w, r.WithContext(ctx))
+	cc.key, cc.w = key, w
+	l.proxy.ServeHTTP(w, r)
+	cc.key, cc.w = "", nil
 }
 
 func (l *Listener) refuse(w http.ResponseWriter, cc *clientConn, err error) {
@@ -201,7 +199,8 @@ func (l *Listener) serveConnect(w http.ResponseWriter, r *http.Request, cc *clie
 	}
 	upc, up, retries, fail := l.openTunnel(l.ctx, key, socks5.Addr{Host: host, Port: port})
 	cc.retries.Add(int32(retries))
-	_ = conn.SetDeadline(time.Now().Add(l.cfg.HeaderTimeout))
+	// The hijack left no deadline; only the answer's write needs one.
+	_ = conn.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
 		writeRawError(conn, fail.status, fail.text)
@@ -213,7 +212,7 @@ func (l *Listener) serveConnect(w http.ResponseWriter, r *http.Request, cc *clie
 		l.abandon(cc, upc, up)
 		return
 	}
-	_ = conn.SetDeadline(time.Time{})
+	_ = conn.SetWriteDeadline(time.Time{})
 	cc.setOutcome(OutcomeOK)
 	l.startRelay(cc, upc, up, pending)
 }

@@ -478,6 +478,11 @@ type clientConn struct {
 	fresh    atomic.Bool  // HTTP: accepted, no request byte read yet
 	closeErr error
 	local    bool // the client is on this machine
+	// HTTP: the sticky key and the response writer of the plain request
+	// being served, for the RoundTripper goproxy calls (a connection
+	// serves one request at a time).
+	key string
+	w   http.ResponseWriter
 }
 
 func (c *clientConn) Read(p []byte) (int, error) {

@@ -78,6 +78,7 @@ type plainConn struct {
 	pcs  *plainConns
 	key  string
 	conn net.Conn
+	rc   syscall.RawConn // conn's socket, nil without one
 	head *headLimit
 	br   *bufio.Reader
 	bw   *bufio.Writer
@@ -134,10 +135,11 @@ func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, d
 	if derr != nil {
 		return nil, derr
 	}
-	pc := &plainConn{pcs: pcs, key: key, conn: c, head: &headLimit{r: c, n: -1}}
+	pc := &plainConn{pcs: pcs, key: key, conn: c}
 	if sc, ok := c.(syscall.Conn); ok {
-		pc.head.rc, _ = sc.SyscallConn()
+		pc.rc, _ = sc.SyscallConn()
 	}
+	pc.head = &headLimit{r: c, rc: pc.rc, n: -1}
 	pc.br = bufio.NewReaderSize(pc.head, 4<<10)
 	pc.bw = bufio.NewWriterSize(c, 4<<10)
 	return pc, nil
@@ -160,7 +162,7 @@ func (pcs *plainConns) get(key string) *plainConn {
 		list[len(list)-1] = nil
 		list = list[:len(list)-1]
 		pcs.n--
-		if time.Since(pc.idleSince) >= pcs.idleTimeout || !peerSilent(pc.conn) {
+		if time.Since(pc.idleSince) >= pcs.idleTimeout || !peerSilent(pc.rc) {
 			pc.close() // expired before its timer came, or the upstream closed or spoke
 			continue
 		}

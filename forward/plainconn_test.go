@@ -66,7 +66,7 @@ func (pcs *plainConns) hasSilentIdle() bool {
 	defer pcs.mu.Unlock()
 	for _, list := range pcs.idle {
 		for _, pc := range list {
-			if peerSilent(pc.conn) {
+			if peerSilent(pc.rc) {
 				return true
 			}
 		}

@@ -366,7 +366,10 @@ func resendable(req *http.Request) bool {
 func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Response, error) {
 	ctx := req.Context()
 	cc, _ := ctx.Value(connKey).(*clientConn)
-	key, _ := ctx.Value(keyKey).(string)
+	var key string
+	if cc != nil {
+		key = cc.key
+	}
 	// req's hop-by-hop headers went in serveHTTP, before goproxy.
 	j := &job{key: key, plain: true, hedge: resendable(req), resendStale: idempotent(req.Method)}
 	var rb *replayBody
@@ -390,8 +393,8 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 	}
 	resp := w.res.resp
 	stripHop(resp.Header, false)
-	if rw, ok := ctx.Value(writerKey).(http.ResponseWriter); ok {
-		flush := http.NewResponseController(rw).Flush
+	if cc != nil && cc.w != nil {
+		flush := http.NewResponseController(cc.w).Flush
 		if pb, ok := resp.Body.(*plainBody); ok {
 			pb.pc.head.idle = func() { _ = flush() }
 		} else {
