@@ -69,7 +69,9 @@ func (l *Listener) initHTTP() {
 	// serveHTTP strips the hop-by-hop headers (Proxy-Authorization among
 	// them) before goproxy sees the request: a second pass finds nothing.
 	p.KeepHeader = true
-	p.KeepDestinationHeaders = false
+	// roundTrip puts the answer's header fields in the writer itself
+	// (handOver): goproxy must keep them.
+	p.KeepDestinationHeaders = true
 	p.AllowHTTP2 = false
 	rt := goproxy.RoundTripperFunc(l.roundTrip)
 	p.OnRequest().DoFunc(func(r *http.Request, ctx *goproxy.ProxyCtx) (*http.Request, *http.Response) {

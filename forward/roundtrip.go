@@ -389,7 +389,7 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 		if cc != nil {
 			cc.setOutcome(a.outcome)
 		}
-		return errorResponse(req, a.status, a.text), nil
+		return handOver(cc, errorResponse(req, a.status, a.text)), nil
 	}
 	resp := w.res.resp
 	stripHop(resp.Header, false)
@@ -408,7 +408,23 @@ func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Resp
 	if cc != nil {
 		cc.setOutcome(OutcomeOK)
 	}
-	return resp, nil
+	return handOver(cc, resp), nil
+}
+
+// handOver moves the answer's header fields into the client's response
+// writer, whose fields goproxy keeps (KeepDestinationHeaders) and adds
+// resp's to: its copy would allocate once per value. Without a writer
+// (goproxy called from elsewhere) resp keeps them.
+func handOver(cc *clientConn, resp *http.Response) *http.Response {
+	if cc == nil || cc.w == nil {
+		return resp
+	}
+	h := cc.w.Header()
+	for k, v := range resp.Header {
+		h[k] = v
+	}
+	clear(resp.Header)
+	return resp
 }
 
 // plainAttempt sends req through up and waits for the answer's head.

@@ -75,11 +75,11 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 	}
 	// The request is read: the client now waits as long as the attempts
 	// may take (they have their own bounds), then has HeaderTimeout to take
-	// the reply.
-	_ = cc.SetDeadline(time.Time{})
+	// the reply. Nothing is read from it until the relay.
+	_ = cc.SetReadDeadline(time.Time{})
 	upc, up, retries, fail := l.openTunnel(l.ctx, key, req.Dest)
 	cc.retries.Add(int32(retries))
-	_ = cc.SetDeadline(time.Now().Add(l.cfg.HeaderTimeout))
+	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
 		_ = socks5.WriteReply(cc, fail.reply, socks5.Addr{})
@@ -91,7 +91,7 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 		l.abandon(cc, upc, up)
 		return
 	}
-	_ = cc.SetDeadline(time.Time{})
+	_ = cc.SetWriteDeadline(time.Time{})
 	cc.setOutcome(OutcomeOK)
 	var pending []byte
 	if n := br.Buffered(); n > 0 {

@@ -90,7 +90,9 @@ func (w *queueWait) check(fd uintptr) bool {
 		return true
 	}
 	for {
-		n, _, err := unix.Recvfrom(int(fd), w.peek[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		// syscall's Recvfrom, not x/sys/unix's: the latter allocates the
+		// sender's address at every call (5 of a tunnel's allocations).
+		n, _, err := syscall.Recvfrom(int(fd), w.peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
 		switch {
 		case errors.Is(err, syscall.EINTR):
 			continue
