@@ -293,6 +293,72 @@ func TestConnectEarlyBytes(t *testing.T) {
 	})
 }
 
+// A connection's first request is read before the HTTP server sees it (a
+// CONNECT is served without it). A plain first request that comes in
+// pieces still reaches the server whole, a CONNECT after plain requests on
+// the same connection still opens a tunnel with the bytes behind it, and a
+// first CONNECT is answered and counted like any other.
+func TestConnectAfterPlainRequests(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	up := newHTTPUpstream(t, "", "", nil)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), newFakePool(up.upstream(1)))
+	c, err := net.Dial("tcp", tl.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	br := bufio.NewReader(c)
+	get := func(pieces ...string) {
+		t.Helper()
+		for _, p := range pieces {
+			if _, err := io.WriteString(c, p); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(20 * time.Millisecond) // let each piece arrive alone
+		}
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("reading the answer: %v", err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), `"URI":"/a"`) {
+			t.Fatalf("answer %d %q", resp.StatusCode, body)
+		}
+	}
+	req := "GET http://" + origin + "/a HTTP/1.1\r\nHost: " + origin + "\r\n\r\n"
+	get(req[:3], req[3:20], req[20:])
+	get(req)
+	early := "early bytes right behind the request"
+	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n%s", echo, echo, early)
+	want := "HTTP/1.1 200 Connection established\r\n\r\n" + early
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(br, got); err != nil {
+		t.Fatalf("reading: %v (got %q)", err, got)
+	}
+	if string(got) != want {
+		t.Fatalf("got %q, want %q", got, want)
+	}
+	_ = c.Close()
+
+	// A first CONNECT to a refused destination: 403, and the outcome.
+	_, _, resp := rawConnect(t, tl.addr, "10.1.2.3:443", "")
+	if resp.StatusCode != http.StatusForbidden || !resp.Close {
+		t.Errorf("CONNECT to a refused destination: %d, close %v", resp.StatusCode, resp.Close)
+	}
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 2 }, "both connections closed")
+	outcomes := map[Outcome]int{}
+	for _, r := range tl.obs.Closeds() {
+		outcomes[r.o]++
+	}
+	if outcomes[OutcomeOK] != 1 || outcomes[OutcomeDenied] != 1 {
+		t.Errorf("outcomes %v, want one ok and one denied", outcomes)
+	}
+}
+
 func TestSOCKS5Client(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)

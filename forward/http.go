@@ -2,6 +2,7 @@ package forward
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/elazarl/goproxy"
@@ -110,23 +112,26 @@ func (l *Listener) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		plainError(w, http.StatusInternalServerError, "internal error\n")
 		return
 	}
-	user, pass, present := "", "", false
-	if v := r.Header.Get("Proxy-Authorization"); v != "" {
-		user, pass, present = parseBasic(v)
-		if !present {
-			present = true // a malformed header is a failed login, not none
-			user, pass = "\x00", ""
-		}
-	}
-	key, err := l.auth.check(user, pass, present)
-	if err != nil {
-		cc.setOutcome(OutcomeDenied)
-		w.Header().Set("Proxy-Authenticate", `Basic realm="proxyd"`)
+	key, ok := l.login(cc, r.Header)
+	if !ok {
+		w.Header().Set("Proxy-Authenticate", challenge)
 		plainError(w, http.StatusProxyAuthRequired, textAuth)
 		return
 	}
 	if r.Method == http.MethodConnect {
-		l.serveConnect(w, r, cc, key)
+		// A CONNECT after other requests on the connection (a first one
+		// never comes here, see serveHTTPConn).
+		conn, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			cc.setOutcome(OutcomeClientError)
+			return
+		}
+		if conn != net.Conn(cc) {
+			_ = conn.Close()
+			cc.setOutcome(OutcomeClientError)
+			return
+		}
+		l.serveConnect(cc, brw.Reader, r, key)
 		return
 	}
 	if r.URL.Scheme == "ws" && isUpgrade(r.Header) {
@@ -167,54 +172,196 @@ func (l *Listener) serveHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 func (l *Listener) refuse(w http.ResponseWriter, cc *clientConn, err error) {
-	if errors.Is(err, errRefusedDestination) {
-		cc.setOutcome(OutcomeDenied)
-		plainError(w, http.StatusForbidden, textRefused)
-		return
-	}
-	cc.setOutcome(OutcomeClientError)
-	plainError(w, http.StatusBadRequest, textBadRequest)
+	o, status, text := refusal(err)
+	cc.setOutcome(o)
+	plainError(w, status, text)
 }
 
-// serveConnect opens a tunnel for CONNECT. It takes the client connection
-// with a hijack and keeps the bytes the client sent right behind its request
-// (already in the server's buffered reader): a client may start its TLS
-// handshake without waiting for our 200.
-func (l *Listener) serveConnect(w http.ResponseWriter, r *http.Request, cc *clientConn, key string) {
+// refusal is the answer to a destination that failed destPolicy.check or
+// could not be parsed.
+func refusal(err error) (Outcome, int, string) {
+	if errors.Is(err, errRefusedDestination) {
+		return OutcomeDenied, http.StatusForbidden, textRefused
+	}
+	return OutcomeClientError, http.StatusBadRequest, textBadRequest
+}
+
+// challenge is the Proxy-Authenticate value of a 407.
+const challenge = `Basic realm="proxyd"`
+
+// login checks a request's Proxy-Authorization against the local users and
+// returns the request's sticky key; a failed login is the connection's
+// outcome (denied).
+func (l *Listener) login(cc *clientConn, h http.Header) (key string, ok bool) {
+	user, pass, present := "", "", false
+	if v := h.Get("Proxy-Authorization"); v != "" {
+		user, pass, present = parseBasic(v)
+		if !present {
+			present = true // a malformed header is a failed login, not none
+			user, pass = "\x00", ""
+		}
+	}
+	key, err := l.auth.check(user, pass, present)
+	if err != nil {
+		cc.setOutcome(OutcomeDenied)
+		return "", false
+	}
+	return key, true
+}
+
+// headReaders hold the buffers the first request of a connection is read
+// through; they go back once its head is read.
+var headReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<<10) }}
+
+// serveHTTPConn reads a client's first request head. A CONNECT, nearly
+// every first request a proxy gets, is served right here; anything else
+// goes to the HTTP server with the bytes read so far, and so does every
+// request after it. net/http's server costs a tunnel set-up its own
+// buffers, contexts, state hooks and a hijack: about a quarter of the CPU
+// proxyd spent per tunnel beyond a plain io.Copy forwarder (BENCHMARKS.md).
+func (l *Listener) serveHTTPConn(cc *clientConn) {
+	left := false
+	leave := func() { // the head is read, or handed on: Shutdown may go on
+		if !left {
+			left = true
+			l.heads.Add(-1)
+		}
+	}
+	defer leave()
+	_ = cc.SetReadDeadline(time.Now().Add(l.cfg.HeaderTimeout))
+	lr := &io.LimitedReader{R: cc, N: maxHeaderBytes}
+	br := headReaders.Get().(*bufio.Reader)
+	br.Reset(lr)
+	defer func() {
+		br.Reset(nil)
+		headReaders.Put(br)
+	}()
+	if head, err := br.Peek(len("CONNECT ")); err != nil || string(head) != "CONNECT " {
+		if err != nil || !wholeHead(br) {
+			_ = cc.Close() // nothing usable came within header_timeout
+			return
+		}
+		b, _ := br.Peek(br.Buffered())
+		cc.pre = append([]byte(nil), b...)
+		_ = cc.SetReadDeadline(time.Time{}) // the server sets its own
+		l.handToServer(cc)
+		return
+	}
+	req, err := http.ReadRequest(br)
+	l.unfresh(cc)
+	leave()
+	if err != nil {
+		cc.setOutcome(OutcomeClientError)
+		if !isTimeout(err) && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+			writeRawError(cc, http.StatusBadRequest, textBadRequest, "")
+		}
+		_ = cc.Close()
+		return
+	}
+	_ = cc.SetReadDeadline(time.Time{})
+	key, ok := l.login(cc, req.Header)
+	if !ok {
+		writeRawError(cc, http.StatusProxyAuthRequired, textAuth, "Proxy-Authenticate: "+challenge+"\r\n")
+		_ = cc.Close()
+		return
+	}
+	l.serveConnect(cc, br, req, key)
+}
+
+// maxHeaderBytes bounds a request head, as the HTTP server's MaxHeaderBytes.
+const maxHeaderBytes = 64 << 10
+
+// wholeHead waits until br holds a whole request head or is full (the
+// server reads the rest), so that header_timeout bounds the head's arrival
+// once, not once here and again in the server.
+func wholeHead(br *bufio.Reader) bool {
+	for {
+		b, _ := br.Peek(br.Buffered())
+		if bytes.Contains(b, []byte("\n\r\n")) || bytes.Contains(b, []byte("\n\n")) || len(b) == br.Size() {
+			return true
+		}
+		if _, err := br.Peek(len(b) + 1); err != nil {
+			return false
+		}
+	}
+}
+
+func (l *Listener) unfresh(cc *clientConn) {
+	if cc.fresh.CompareAndSwap(true, false) {
+		l.fresh.Add(-1)
+	}
+}
+
+// handToServer lets the HTTP server serve cc from its first request on.
+func (l *Listener) handToServer(cc *clientConn) {
+	one := &oneConn{c: cc}
+	_ = l.srv.Serve(one)
+	if !one.taken { // the server is shutting down
+		_ = cc.Close()
+	}
+}
+
+// oneConn is a net.Listener that hands the HTTP server one connection; the
+// server's Serve returns when asked for the next.
+type oneConn struct {
+	c     net.Conn
+	taken bool
+}
+
+var errServed = errors.New("connection handed to the server")
+
+func (o *oneConn) Accept() (net.Conn, error) {
+	if o.taken {
+		return nil, errServed
+	}
+	o.taken = true
+	return o.c, nil
+}
+
+func (o *oneConn) Close() error   { return nil }
+func (o *oneConn) Addr() net.Addr { return o.c.LocalAddr() }
+
+// serveConnect opens a tunnel for CONNECT on a connection taken from the
+// server (or never given to it). It keeps the bytes the client sent right
+// behind its request (already in br): a client may start its TLS handshake
+// without waiting for our 200. An answer other than 200 closes the
+// connection.
+func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Request, key string) {
+	fail := func(status int, text string) {
+		writeRawError(cc, status, text, "")
+		_ = cc.Close()
+	}
 	host, port, err := splitHostPort(r.RequestURI, 0)
 	if err == nil {
 		err = l.dest.check(host, port)
 	}
 	if err != nil {
-		l.refuse(w, cc, err)
-		return
-	}
-	conn, brw, err := http.NewResponseController(w).Hijack()
-	if err != nil {
-		cc.setOutcome(OutcomeClientError)
+		o, status, text := refusal(err)
+		cc.setOutcome(o)
+		fail(status, text)
 		return
 	}
 	var pending []byte
-	if n := brw.Reader.Buffered(); n > 0 {
-		b, _ := brw.Reader.Peek(n)
+	if n := br.Buffered(); n > 0 {
+		b, _ := br.Peek(n)
 		pending = append([]byte(nil), b...)
 	}
-	upc, up, retries, fail := l.openTunnel(l.ctx, key, socks5.Addr{Host: host, Port: port})
+	upc, up, retries, fail2 := l.openTunnel(l.ctx, key, socks5.Addr{Host: host, Port: port})
 	cc.retries.Add(int32(retries))
-	// The hijack left no deadline; only the answer's write needs one.
-	_ = conn.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
-	if fail != nil {
-		cc.setOutcome(fail.outcome)
-		writeRawError(conn, fail.status, fail.text)
-		_ = conn.Close()
+	// Only the answer's write needs a deadline: nothing is read from the
+	// client before the relay.
+	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
+	if fail2 != nil {
+		cc.setOutcome(fail2.outcome)
+		fail(fail2.status, fail2.text)
 		return
 	}
-	if _, err := io.WriteString(conn, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
+	if _, err := io.WriteString(cc, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
 		cc.setOutcome(OutcomeClientError)
 		l.abandon(cc, upc, up)
 		return
 	}
-	_ = conn.SetWriteDeadline(time.Time{})
+	_ = cc.SetWriteDeadline(time.Time{})
 	cc.setOutcome(OutcomeOK)
 	l.startRelay(cc, upc, up, pending)
 }
@@ -259,9 +406,11 @@ func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, p
 	l.relay(cc, raw, done)
 }
 
-func writeRawError(w io.Writer, status int, text string) {
-	_, _ = fmt.Fprintf(w, "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
-		status, http.StatusText(status), len(text), text)
+// writeRawError writes a short answer that closes the connection; header
+// holds more header lines, each ending in CRLF.
+func writeRawError(w io.Writer, status int, text, header string) {
+	_, _ = fmt.Fprintf(w, "HTTP/1.1 %d %s\r\n%sContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
+		status, http.StatusText(status), header, len(text), text)
 }
 
 // answerOverCap tells a client over the connection cap so, then lets it read
@@ -274,7 +423,7 @@ func (l *Listener) answerOverCap(c net.Conn) {
 		}
 		return
 	}
-	writeRawError(c, http.StatusServiceUnavailable, textUnavailable)
+	writeRawError(c, http.StatusServiceUnavailable, textUnavailable, "")
 	if cw, ok := c.(closeWriter); ok {
 		_ = cw.CloseWrite()
 	}

@@ -70,6 +70,7 @@ type Listener struct {
 	wg        sync.WaitGroup        // goroutines started by spawn
 	active    atomic.Int64
 	fresh     atomic.Int64  // HTTP connections whose first request is not read yet
+	heads     atomic.Int64  // HTTP connections whose first head serveHTTPConn still reads
 	accepting chan struct{} // closed when Serve's accept loop ended; nil before Serve
 	rejects   atomic.Int64  // cap-rejection goroutines running
 }
@@ -152,9 +153,9 @@ func (l *Listener) Serve(ln net.Listener) error {
 	al := &acceptor{Listener: ln, l: l}
 	var err error
 	if l.cfg.Protocol == ProtocolHTTP {
-		err = l.srv.Serve(al)
+		err = l.serveConns(al, l.serveHTTPConn)
 	} else {
-		err = l.serveSOCKS(al)
+		err = l.serveConns(al, l.serveSOCKSConn)
 	}
 	l.mu.Lock()
 	stopping := l.stopping
@@ -163,6 +164,30 @@ func (l *Listener) Serve(ln net.Listener) error {
 		return nil
 	}
 	return fmt.Errorf("serving listener %q: %w", l.cfg.Name, err)
+}
+
+// serveConns is the accept loop: each client connection is served in a
+// goroutine of its own. The acceptor waits out a shortage of file
+// descriptors itself; any error that reaches here ends the loop.
+func (l *Listener) serveConns(al *acceptor, serve func(*clientConn)) error {
+	for {
+		c, err := al.Accept()
+		if err != nil {
+			return err
+		}
+		cc := c.(*clientConn)
+		if l.srv != nil {
+			// Its first request is not read yet: Shutdown gives it time.
+			if cc.fresh.CompareAndSwap(false, true) {
+				l.fresh.Add(1)
+			}
+			l.heads.Add(1) // serveHTTPConn takes it back
+		}
+		if !l.spawn(func() { serve(cc) }) {
+			l.heads.Add(-1)
+			_ = cc.Close()
+		}
+	}
 }
 
 // Shutdown stops accepting at once, waits for open connections to end until
@@ -180,6 +205,7 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 	var err error
 	if l.srv != nil {
 		l.awaitFirstRequests(ctx, accepting)
+		l.awaitHeads(ctx)
 		// Closes idle keep-alive connections and waits for active requests.
 		err = l.srv.Shutdown(ctx)
 	}
@@ -225,6 +251,25 @@ func (l *Listener) awaitFirstRequests(ctx context.Context, accepting <-chan stru
 		select {
 		case <-grace.C:
 			return
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// awaitHeads waits until no connection is between accept and the HTTP
+// server (serveHTTPConn reading its first head, each within
+// header_timeout), or ctx ends: one handed to the server after its
+// Shutdown began would be closed unanswered.
+func (l *Listener) awaitHeads(ctx context.Context) {
+	if l.heads.Load() == 0 {
+		return
+	}
+	tick := time.NewTicker(2 * time.Millisecond)
+	defer tick.Stop()
+	for l.heads.Load() > 0 {
+		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
@@ -483,9 +528,17 @@ type clientConn struct {
 	// serves one request at a time).
 	key string
 	w   http.ResponseWriter
+	// HTTP: the bytes read before the connection went to the server, which
+	// reads them first.
+	pre []byte
 }
 
 func (c *clientConn) Read(p []byte) (int, error) {
+	if len(c.pre) > 0 { // counted when first read
+		n := copy(p, c.pre)
+		c.pre = c.pre[n:]
+		return n, nil
+	}
 	n, err := c.Conn.Read(p)
 	c.up.Add(int64(n))
 	return n, err
@@ -504,6 +557,7 @@ func (c *clientConn) Close() error {
 	c.once.Do(func() {
 		c.closeErr = c.Conn.Close()
 		l := c.l
+		l.unfresh(c)
 		l.mu.Lock()
 		delete(l.conns, c)
 		l.mu.Unlock()

@@ -10,21 +10,6 @@ import (
 	"github.com/proxyd/proxyd/forward/socks5"
 )
 
-// serveSOCKS is the SOCKS5 accept loop. The acceptor waits out a shortage
-// of file descriptors itself; any error that reaches here ends the loop.
-func (l *Listener) serveSOCKS(al *acceptor) error {
-	for {
-		c, err := al.Accept()
-		if err != nil {
-			return err
-		}
-		cc := c.(*clientConn)
-		if !l.spawn(func() { l.serveSOCKSConn(cc) }) {
-			_ = cc.Close()
-		}
-	}
-}
-
 func (l *Listener) serveSOCKSConn(cc *clientConn) {
 	handedOff := false
 	defer func() {
