@@ -1,13 +1,16 @@
 // Package forward runs proxyd's local listeners: an HTTP proxy (plain
-// requests in absolute-URI form, CONNECT tunnels, WebSocket upgrades) built
-// on github.com/elazarl/goproxy, and a SOCKS5 server (CONNECT only). Each
-// client connection is relayed through an upstream picked from the pool by
-// one attempt loop (attempt.go), with retries on other upstreams before the
-// first byte reaches the client and, for plain requests that can be sent
-// again, a hedge through one more upstream when the answer is slow to come;
-// each attempt's outcome is classified (the upstream's fault, the
-// destination's, or nobody's) and reported to the pool, and each
-// connection's to an Observer.
+// requests in absolute-URI form, CONNECT tunnels, WebSocket upgrades) and
+// a SOCKS5 server (CONNECT only). The HTTP listener reads each
+// connection's first request head itself: a CONNECT is served right there,
+// anything else goes to net/http's server and github.com/elazarl/goproxy,
+// which serve plain requests (and a later CONNECT, taken back with a
+// hijack). Each client connection is relayed through an upstream picked
+// from the pool by one attempt loop (attempt.go), with retries on other
+// upstreams before the first byte reaches the client and, for plain
+// requests that can be sent again, a hedge through one more upstream when
+// the answer is slow to come; each attempt's outcome is classified (the
+// upstream's fault, the destination's, or nobody's) and reported to the
+// pool, and each connection's to an Observer.
 //
 // Scope: local authentication (users and sticky-session usernames), the
 // client allow-list, the refused destinations (loopback, link-local, private,
