@@ -121,13 +121,9 @@ func (l *Listener) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.Method == http.MethodConnect {
 		// A CONNECT after other requests on the connection (a first one
 		// never comes here, see serveHTTPConn).
-		conn, brw, err := http.NewResponseController(w).Hijack()
+		// The hijacked connection is cc, which the server was given.
+		_, brw, err := http.NewResponseController(w).Hijack()
 		if err != nil {
-			cc.setOutcome(OutcomeClientError)
-			return
-		}
-		if conn != net.Conn(cc) {
-			_ = conn.Close()
 			cc.setOutcome(OutcomeClientError)
 			return
 		}

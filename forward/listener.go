@@ -208,20 +208,16 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 	var err error
 	if l.srv != nil {
 		l.awaitFirstRequests(ctx, accepting)
-		l.awaitHeads(ctx)
+		// No connection may be between accept and the server either
+		// (serveHTTPConn reading its first head, each within
+		// header_timeout): one handed over after the server's Shutdown
+		// began would be closed unanswered.
+		_ = pollUntil(ctx, 2*time.Millisecond, func() bool { return l.heads.Load() == 0 })
 		// Closes idle keep-alive connections and waits for active requests.
 		err = l.srv.Shutdown(ctx)
 	}
 	if err == nil {
-		t := time.NewTicker(10 * time.Millisecond)
-		for l.active.Load() > 0 && err == nil {
-			select {
-			case <-ctx.Done():
-				err = ctx.Err()
-			case <-t.C:
-			}
-		}
-		t.Stop()
+		err = pollUntil(ctx, 10*time.Millisecond, func() bool { return l.active.Load() == 0 })
 	}
 	l.closeAll()
 	return err
@@ -237,47 +233,34 @@ const freshGrace = 500 * time.Millisecond
 // a moment before a reload or SIGTERM would otherwise see its connection
 // closed unanswered.
 func (l *Listener) awaitFirstRequests(ctx context.Context, accepting <-chan struct{}) {
-	grace := time.NewTimer(freshGrace)
-	defer grace.Stop()
+	ctx, cancel := context.WithTimeout(ctx, freshGrace)
+	defer cancel()
 	if accepting != nil {
-		select { // every accepted connection is registered with the server
+		select { // every accepted connection is counted
 		case <-accepting:
-		case <-grace.C:
-			return
 		case <-ctx.Done():
 			return
 		}
 	}
-	tick := time.NewTicker(2 * time.Millisecond)
-	defer tick.Stop()
-	for l.fresh.Load() > 0 {
-		select {
-		case <-grace.C:
-			return
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
-	}
+	_ = pollUntil(ctx, 2*time.Millisecond, func() bool { return l.fresh.Load() == 0 })
 }
 
-// awaitHeads waits until no connection is between accept and the HTTP
-// server (serveHTTPConn reading its first head, each within
-// header_timeout), or ctx ends: one handed to the server after its
-// Shutdown began would be closed unanswered.
-func (l *Listener) awaitHeads(ctx context.Context) {
-	if l.heads.Load() == 0 {
-		return
+// pollUntil checks done every so often until it holds (nil) or ctx ends
+// (ctx's error).
+func pollUntil(ctx context.Context, every time.Duration, done func() bool) error {
+	if done() {
+		return nil
 	}
-	tick := time.NewTicker(2 * time.Millisecond)
-	defer tick.Stop()
-	for l.heads.Load() > 0 {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for !done() {
 		select {
 		case <-ctx.Done():
-			return
-		case <-tick.C:
+			return ctx.Err()
+		case <-t.C:
 		}
 	}
+	return nil
 }
 
 // trackFresh is the HTTP server's ConnState hook: it counts the connections
