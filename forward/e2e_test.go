@@ -280,17 +280,24 @@ func TestConnectEarlyBytes(t *testing.T) {
 		}
 		defer c.Close()
 		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-		early := "early bytes right behind the request"
-		fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n%s", echo, echo, early)
-		want := "HTTP/1.1 200 Connection established\r\n\r\n" + early
-		got := make([]byte, len(want))
-		if _, err := io.ReadFull(c, got); err != nil {
-			t.Fatalf("reading: %v (got %q)", err, got)
-		}
-		if string(got) != want {
-			t.Fatalf("got %q, want %q", got, want)
-		}
+		connectEarly(t, c, c, echo)
 	})
+}
+
+// connectEarly sends a CONNECT to an echo destination with bytes right
+// behind it, and checks that the 200 comes back followed by their echo.
+func connectEarly(t *testing.T, w io.Writer, r io.Reader, echo string) {
+	t.Helper()
+	early := "early bytes right behind the request"
+	fmt.Fprintf(w, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n%s", echo, echo, early)
+	want := "HTTP/1.1 200 Connection established\r\n\r\n" + early
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(r, got); err != nil {
+		t.Fatalf("reading: %v (got %q)", err, got)
+	}
+	if string(got) != want {
+		t.Fatalf("got %q, want %q", got, want)
+	}
 }
 
 // A connection's first request is read before the HTTP server sees it (a
@@ -332,16 +339,7 @@ func TestConnectAfterPlainRequests(t *testing.T) {
 	req := "GET http://" + origin + "/a HTTP/1.1\r\nHost: " + origin + "\r\n\r\n"
 	get(req[:3], req[3:20], req[20:])
 	get(req)
-	early := "early bytes right behind the request"
-	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n%s", echo, echo, early)
-	want := "HTTP/1.1 200 Connection established\r\n\r\n" + early
-	got := make([]byte, len(want))
-	if _, err := io.ReadFull(br, got); err != nil {
-		t.Fatalf("reading: %v (got %q)", err, got)
-	}
-	if string(got) != want {
-		t.Fatalf("got %q, want %q", got, want)
-	}
+	connectEarly(t, c, br, echo)
 	_ = c.Close()
 
 	// A first CONNECT to a refused destination: 403, and the outcome.
