@@ -216,14 +216,6 @@ var headReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<
 // buffers, contexts, state hooks and a hijack: about a quarter of the CPU
 // proxyd spent per tunnel beyond a plain io.Copy forwarder (BENCHMARKS.md).
 func (l *Listener) serveHTTPConn(cc *clientConn) {
-	left := false
-	leave := func() { // the head is read, or handed on: Shutdown may go on
-		if !left {
-			left = true
-			l.heads.Add(-1)
-		}
-	}
-	defer leave()
 	_ = cc.SetReadDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	lr := &io.LimitedReader{R: cc, N: maxHeaderBytes}
 	br := headReaders.Get().(*bufio.Reader)
@@ -245,23 +237,54 @@ func (l *Listener) serveHTTPConn(cc *clientConn) {
 	}
 	req, err := http.ReadRequest(br)
 	l.unfresh(cc)
-	leave()
 	if err != nil {
 		cc.setOutcome(OutcomeClientError)
-		if !isTimeout(err) && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
-			writeRawError(cc, http.StatusBadRequest, textBadRequest, "")
+		switch {
+		case lr.N == 0:
+			l.refuseConn(cc, http.StatusRequestHeaderFieldsTooLarge, "request header too large\n", "")
+		case isTimeout(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+			_ = cc.Close() // nothing more will come
+		default:
+			l.refuseConn(cc, http.StatusBadRequest, textBadRequest, "")
 		}
-		_ = cc.Close()
 		return
 	}
 	_ = cc.SetReadDeadline(time.Time{})
 	key, ok := l.login(cc, req.Header)
 	if !ok {
-		writeRawError(cc, http.StatusProxyAuthRequired, textAuth, "Proxy-Authenticate: "+challenge+"\r\n")
-		_ = cc.Close()
+		l.refuseConn(cc, http.StatusProxyAuthRequired, textAuth, "Proxy-Authenticate: "+challenge+"\r\n")
 		return
 	}
 	l.serveConnect(cc, br, req, key)
+}
+
+// refuseConn answers a request on a connection taken from (or never given
+// to) the HTTP server, and closes the connection after a lingering close.
+func (l *Listener) refuseConn(c net.Conn, status int, text, header string) {
+	_ = c.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
+	writeRawError(c, status, text, header)
+	lingerClose(c)
+}
+
+// lingerWait bounds how long a refused client may keep sending before its
+// connection closes.
+const lingerWait = 2 * time.Second
+
+// lingerClose closes c's sending side, drains what the client still sends
+// (up to 64 KiB, within lingerWait), then closes c: closing with unread
+// bytes (a CONNECT's early TLS hello, a body) would send a reset, which can
+// throw the answer away before the client reads it.
+func lingerClose(c net.Conn) {
+	if cw, ok := c.(closeWriter); ok {
+		_ = cw.CloseWrite()
+	} else if cc, ok := c.(*clientConn); ok {
+		if cw, ok := cc.Conn.(closeWriter); ok {
+			_ = cw.CloseWrite()
+		}
+	}
+	_ = c.SetReadDeadline(time.Now().Add(lingerWait))
+	_, _ = io.Copy(io.Discard, io.LimitReader(c, 64<<10))
+	_ = c.Close()
 }
 
 // maxHeaderBytes bounds a request head, as the HTTP server's MaxHeaderBytes.
@@ -323,10 +346,7 @@ func (o *oneConn) Addr() net.Addr { return o.c.LocalAddr() }
 // without waiting for our 200. An answer other than 200 closes the
 // connection.
 func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Request, key string) {
-	fail := func(status int, text string) {
-		writeRawError(cc, status, text, "")
-		_ = cc.Close()
-	}
+	fail := func(status int, text string) { l.refuseConn(cc, status, text, "") }
 	host, port, err := splitHostPort(r.RequestURI, 0)
 	if err == nil {
 		err = l.dest.check(host, port)
@@ -420,11 +440,7 @@ func (l *Listener) answerOverCap(c net.Conn) {
 		return
 	}
 	writeRawError(c, http.StatusServiceUnavailable, textUnavailable, "")
-	if cw, ok := c.(closeWriter); ok {
-		_ = cw.CloseWrite()
-	}
-	// Drain what the client sent so that closing does not reset the answer away.
-	_, _ = io.Copy(io.Discard, io.LimitReader(c, 64<<10))
+	lingerClose(c)
 }
 
 // hop-by-hop headers never forwarded in either direction (RFC 9110 §7.6.1),

@@ -73,7 +73,6 @@ type Listener struct {
 	wg        sync.WaitGroup        // goroutines started by spawn
 	active    atomic.Int64
 	fresh     atomic.Int64  // HTTP connections whose first request is not read yet
-	heads     atomic.Int64  // HTTP connections whose first head serveHTTPConn still reads
 	accepting chan struct{} // closed when Serve's accept loop ended; nil before Serve
 	rejects   atomic.Int64  // cap-rejection goroutines running
 }
@@ -179,15 +178,12 @@ func (l *Listener) serveConns(al *acceptor, serve func(*clientConn)) error {
 			return err
 		}
 		cc := c.(*clientConn)
-		if l.srv != nil {
-			// Its first request is not read yet: Shutdown gives it time.
-			if cc.fresh.CompareAndSwap(false, true) {
-				l.fresh.Add(1)
-			}
-			l.heads.Add(1) // serveHTTPConn takes it back
+		if l.srv != nil && cc.fresh.CompareAndSwap(false, true) {
+			// Its first request is not read yet: Shutdown gives it time
+			// (until serveHTTPConn reads a CONNECT, or the server the rest).
+			l.fresh.Add(1)
 		}
 		if !l.spawn(func() { serve(cc) }) {
-			l.heads.Add(-1)
 			_ = cc.Close()
 		}
 	}
@@ -208,11 +204,6 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 	var err error
 	if l.srv != nil {
 		l.awaitFirstRequests(ctx, accepting)
-		// No connection may be between accept and the server either
-		// (serveHTTPConn reading its first head, each within
-		// header_timeout): one handed over after the server's Shutdown
-		// began would be closed unanswered.
-		_ = pollUntil(ctx, 2*time.Millisecond, func() bool { return l.heads.Load() == 0 })
 		// Closes idle keep-alive connections and waits for active requests.
 		err = l.srv.Shutdown(ctx)
 	}
