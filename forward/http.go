@@ -212,9 +212,9 @@ var headReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<
 // serveHTTPConn reads a client's first request head. A CONNECT, nearly
 // every first request a proxy gets, is served right here; anything else
 // goes to the HTTP server with the bytes read so far, and so does every
-// request after it. net/http's server costs a tunnel set-up its own
-// buffers, contexts, state hooks and a hijack: about a quarter of the CPU
-// proxyd spent per tunnel beyond a plain io.Copy forwarder (BENCHMARKS.md).
+// request after it. net/http's server cost every tunnel set-up its own
+// buffers, contexts, state hooks and a hijack: 16 % of proxyd's CPU per
+// tunnel in the rig (BENCHMARKS.md).
 func (l *Listener) serveHTTPConn(cc *clientConn) {
 	_ = cc.SetReadDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	lr := &io.LimitedReader{R: cc, N: maxHeaderBytes}
