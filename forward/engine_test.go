@@ -657,16 +657,9 @@ func TestSilentUpstreamBlamed(t *testing.T) {
 				c.ResponseTimeout = time.Second
 			}), p)
 			hc := tl.httpClient(t, "", "")
-			done := make(chan int, 1)
-			go func() {
-				resp, err := hc.Post("http://"+origin+"/upload", "text/plain", strings.NewReader("payload"))
-				if err != nil {
-					done <- 0
-					return
-				}
-				_ = resp.Body.Close()
-				done <- resp.StatusCode
-			}()
+			done := statusAsync(func() (*http.Response, error) {
+				return hc.Post("http://"+origin+"/upload", "text/plain", strings.NewReader("payload"))
+			})
 			if others {
 				// Once the POST is on the silent upstream, a GET goes
 				// through the other one and is answered.
@@ -694,6 +687,22 @@ func TestSilentUpstreamBlamed(t *testing.T) {
 			}
 		})
 	}
+}
+
+// statusAsync sends a request in a goroutine and delivers its answer's
+// status code (0: no answer).
+func statusAsync(send func() (*http.Response, error)) <-chan int {
+	done := make(chan int, 1)
+	go func() {
+		resp, err := send()
+		if err != nil {
+			done <- 0
+			return
+		}
+		_ = resp.Body.Close()
+		done <- resp.StatusCode
+	}()
+	return done
 }
 
 // TestHedgeGatewayAnswerDoesNotWin: a 502 from the hedge's HTTP upstream
@@ -744,16 +753,7 @@ func TestSlowDestinationThroughSOCKS5(t *testing.T) {
 		c.ResponseTimeout = time.Second
 	}), p)
 	hc := tl.httpClient(t, "", "")
-	done := make(chan int, 1)
-	go func() {
-		resp, err := hc.Get("http://" + origin + "/slow")
-		if err != nil {
-			done <- 0
-			return
-		}
-		_ = resp.Body.Close()
-		done <- resp.StatusCode
-	}()
+	done := statusAsync(func() (*http.Response, error) { return hc.Get("http://" + origin + "/slow") })
 	waitFor(t, 5*time.Second, func() bool { return len(p.Picks()) == 1 }, "the slow GET picked")
 	req, _ := http.NewRequest("GET", "http://"+origin+"/", nil)
 	getEcho(t, tl.httpClient(t, "", ""), req) // another upstream answers meanwhile
@@ -776,31 +776,15 @@ func TestSlowDestinationThroughSOCKS5(t *testing.T) {
 func TestDestinationClosesThroughSOCKS5(t *testing.T) {
 	checkLeaks(t)
 	var hits atomic.Int64
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			hits.Add(1)
-			br := bufio.NewReader(c)
-			_, _ = http.ReadRequest(br) // read it, then close without a word
-			_ = c.Close()
-		}
-	}()
+	dest := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		hits.Add(1)
+		_, _ = http.ReadRequest(bufio.NewReader(c)) // read it, then close without a word
+	})
 	a, b := newSOCKSUpstream(t, "", "", nil), newSOCKSUpstream(t, "", "", nil)
 	p := newFakePool(a.upstream(1), b.upstream(2))
 	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 	hc := tl.httpClient(t, "", "")
-	resp, err := hc.Get("http://" + ln.Addr().String() + "/")
+	resp, err := hc.Get("http://" + dest + "/")
 	if err != nil {
 		t.Fatal(err)
 	}
