@@ -277,10 +277,6 @@ const lingerWait = 2 * time.Second
 func lingerClose(c net.Conn) {
 	if cw, ok := c.(closeWriter); ok {
 		_ = cw.CloseWrite()
-	} else if cc, ok := c.(*clientConn); ok {
-		if cw, ok := cc.Conn.(closeWriter); ok {
-			_ = cw.CloseWrite()
-		}
 	}
 	_ = c.SetReadDeadline(time.Now().Add(lingerWait))
 	_, _ = io.Copy(io.Discard, io.LimitReader(c, 64<<10))
@@ -346,7 +342,6 @@ func (o *oneConn) Addr() net.Addr { return o.c.LocalAddr() }
 // without waiting for our 200. An answer other than 200 closes the
 // connection.
 func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Request, key string) {
-	fail := func(status int, text string) { l.refuseConn(cc, status, text, "") }
 	host, port, err := splitHostPort(r.RequestURI, 0)
 	if err == nil {
 		err = l.dest.check(host, port)
@@ -354,7 +349,7 @@ func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Reques
 	if err != nil {
 		o, status, text := refusal(err)
 		cc.setOutcome(o)
-		fail(status, text)
+		l.refuseConn(cc, status, text, "")
 		return
 	}
 	var pending []byte
@@ -362,14 +357,14 @@ func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Reques
 		b, _ := br.Peek(n)
 		pending = append([]byte(nil), b...)
 	}
-	upc, up, retries, fail2 := l.openTunnel(l.ctx, key, socks5.Addr{Host: host, Port: port})
+	upc, up, retries, fail := l.openTunnel(l.ctx, key, socks5.Addr{Host: host, Port: port})
 	cc.retries.Add(int32(retries))
 	// Only the answer's write needs a deadline: nothing is read from the
 	// client before the relay.
 	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
-	if fail2 != nil {
-		cc.setOutcome(fail2.outcome)
-		fail(fail2.status, fail2.text)
+	if fail != nil {
+		cc.setOutcome(fail.outcome)
+		l.refuseConn(cc, fail.status, fail.text, "")
 		return
 	}
 	if _, err := io.WriteString(cc, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {

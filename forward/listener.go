@@ -527,6 +527,16 @@ func (c *clientConn) Write(p []byte) (int, error) {
 	return n, err
 }
 
+// CloseWrite half-closes the client's socket where it can: a lingering
+// close (ours, and net/http's for the connections it serves) sends its FIN
+// before it drains.
+func (c *clientConn) CloseWrite() error {
+	if cw, ok := c.Conn.(closeWriter); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
 // setOutcome records the outcome of the latest request on the connection.
 func (c *clientConn) setOutcome(o Outcome) { c.outcome.Store(int32(o) + 1) }
 
