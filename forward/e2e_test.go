@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
@@ -19,7 +18,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/elazarl/goproxy"
 	"golang.org/x/net/proxy"
 	"golang.org/x/net/websocket"
 
@@ -561,36 +559,6 @@ func TestWebSocketUpgrade(t *testing.T) {
 			waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "proxy closed both sides")
 		})
 	})
-}
-
-// TestGoproxyConnectLosesEarlyBytes shows why proxyd owns the CONNECT relay:
-// goproxy's own CONNECT path drops the bytes its server's buffered reader
-// already holds, so a client's first bytes sent with the request vanish.
-func TestGoproxyConnectLosesEarlyBytes(t *testing.T) {
-	checkLeaks(t)
-	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
-	gp := goproxy.NewProxyHttpServer()
-	gp.Logger = goproxyLogger{slog.New(slog.DiscardHandler)}
-	gp.Tr = &http.Transport{}
-	gp.ConnectDial = func(network, addr string) (net.Conn, error) { return net.Dial(network, addr) }
-	addr, _ := startOrigin(t, gp)
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\nearly", echo, echo)
-	br := bufio.NewReader(c)
-	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("goproxy CONNECT: %v %v", resp, err)
-	}
-	_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
-	b := make([]byte, 5)
-	if n, err := io.ReadFull(br, b); err == nil {
-		t.Skipf("goproxy now keeps early bytes (%q): its CONNECT relay could be used again", b[:n])
-	}
-	// proxyd's relay keeps them: TestConnectEarlyBytes.
 }
 
 // TestConnectUpstreamSendsEarly: bytes an HTTP upstream sends right behind

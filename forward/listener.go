@@ -1,10 +1,7 @@
 // Package forward runs proxyd's local listeners: an HTTP proxy (plain
 // requests in absolute-URI form, CONNECT tunnels, WebSocket upgrades) and
-// a SOCKS5 server (CONNECT only). The HTTP listener reads each
-// connection's first request head itself: a CONNECT is served right there,
-// anything else goes to net/http's server and github.com/elazarl/goproxy,
-// which serve plain requests (and a later CONNECT, taken back with a
-// hijack). Each client connection is relayed through an upstream picked
+// a SOCKS5 server (CONNECT only). The HTTP listener serves each client
+// connection itself, request after request (httpconn.go). Each client connection is relayed through an upstream picked
 // from the pool by one attempt loop (attempt.go), with retries on other
 // upstreams before the first byte reaches the client and, for plain
 // requests that can be sent again, a hedge through one more upstream when
@@ -27,14 +24,12 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 
-	"github.com/elazarl/goproxy"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -55,8 +50,6 @@ type Listener struct {
 	answers answerLog
 
 	// HTTP only.
-	srv        *http.Server
-	proxy      *goproxy.ProxyHttpServer
 	transports *transportCache
 	plain      *plainConns
 
@@ -69,6 +62,7 @@ type Listener struct {
 	conns     map[*clientConn]struct{}
 	upconns   map[net.Conn]struct{} // upstream sides of open tunnels
 	stopping  bool                  // Shutdown or Close began: accept no more
+	draining  atomic.Bool           // stopping, read without mu: serve no further request
 	closed    bool                  // Close: no new goroutines
 	wg        sync.WaitGroup        // goroutines started by spawn
 	active    atomic.Int64
@@ -178,9 +172,9 @@ func (l *Listener) serveConns(al *acceptor, serve func(*clientConn)) error {
 			return err
 		}
 		cc := c.(*clientConn)
-		if l.srv != nil && cc.fresh.CompareAndSwap(false, true) {
-			// Its first request is not read yet: Shutdown gives it time
-			// (until serveHTTPConn reads a CONNECT, or the server the rest).
+		if l.cfg.Protocol == ProtocolHTTP && cc.fresh.CompareAndSwap(false, true) {
+			// No byte of its first request came yet: Shutdown gives it
+			// time (freshGrace).
 			l.fresh.Add(1)
 		}
 		if !l.spawn(func() { serve(cc) }) {
@@ -195,23 +189,39 @@ func (l *Listener) serveConns(al *acceptor, serve func(*clientConn)) error {
 func (l *Listener) Shutdown(ctx context.Context) error {
 	l.mu.Lock()
 	l.stopping = true
+	l.draining.Store(true)
 	ln := l.ln
 	accepting := l.accepting
 	l.mu.Unlock()
 	if ln != nil {
 		_ = ln.Close()
 	}
-	var err error
-	if l.srv != nil {
+	if l.cfg.Protocol == ProtocolHTTP {
 		l.awaitFirstRequests(ctx, accepting)
-		// Closes idle keep-alive connections and waits for active requests.
-		err = l.srv.Shutdown(ctx)
 	}
-	if err == nil {
-		err = pollUntil(ctx, 10*time.Millisecond, func() bool { return l.active.Load() == 0 })
-	}
+	// HTTP connections between requests close; one serving a request
+	// closes after its answer (draining), a tunnel when it ends.
+	err := pollUntil(ctx, 10*time.Millisecond, func() bool {
+		l.closeIdle()
+		return l.active.Load() == 0
+	})
 	l.closeAll()
 	return err
+}
+
+// closeIdle closes the HTTP connections that wait for a request head.
+func (l *Listener) closeIdle() {
+	var idle []*clientConn
+	l.mu.Lock()
+	for c := range l.conns {
+		if c.idle.CompareAndSwap(true, false) {
+			idle = append(idle, c)
+		}
+	}
+	l.mu.Unlock()
+	for _, c := range idle {
+		_ = c.Close()
+	}
 }
 
 // freshGrace bounds how long Shutdown waits for just-accepted HTTP
@@ -219,10 +229,9 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 const freshGrace = 500 * time.Millisecond
 
 // awaitFirstRequests lets the HTTP connections accepted just before
-// Shutdown send their first request (up to freshGrace): net/http drops a
-// request it reads after Server.Shutdown began, so a client that connected
-// a moment before a reload or SIGTERM would otherwise see its connection
-// closed unanswered.
+// Shutdown send their first request (up to freshGrace): a client that
+// connected a moment before a reload or SIGTERM would otherwise see its
+// connection closed unanswered.
 func (l *Listener) awaitFirstRequests(ctx context.Context, accepting <-chan struct{}) {
 	ctx, cancel := context.WithTimeout(ctx, freshGrace)
 	defer cancel()
@@ -254,19 +263,7 @@ func pollUntil(ctx context.Context, every time.Duration, done func() bool) error
 	return nil
 }
 
-// trackFresh is the HTTP server's ConnState hook: it counts the connections
-// whose first request has not been read yet.
-func (l *Listener) trackFresh(c net.Conn, st http.ConnState) {
-	cc, ok := c.(*clientConn)
-	if !ok {
-		return
-	}
-	if st == http.StateNew {
-		if cc.fresh.CompareAndSwap(false, true) {
-			l.fresh.Add(1)
-		}
-		return
-	}
+func (l *Listener) unfresh(cc *clientConn) {
 	if cc.fresh.CompareAndSwap(true, false) {
 		l.fresh.Add(-1)
 	}
@@ -276,13 +273,11 @@ func (l *Listener) trackFresh(c net.Conn, st http.ConnState) {
 func (l *Listener) Close() error {
 	l.mu.Lock()
 	l.stopping = true
+	l.draining.Store(true)
 	ln := l.ln
 	l.mu.Unlock()
 	if ln != nil {
 		_ = ln.Close()
-	}
-	if l.srv != nil {
-		_ = l.srv.Close()
 	}
 	l.closeAll()
 	return nil
@@ -498,24 +493,12 @@ type clientConn struct {
 	retries  atomic.Int32
 	outcome  atomic.Int32 // Outcome+1; 0 = nothing served yet
 	fresh    atomic.Bool  // HTTP: accepted, no request byte read yet
+	idle     atomic.Bool  // HTTP: waiting for a request head (Shutdown closes it)
 	closeErr error
 	local    bool // the client is on this machine
-	// HTTP: the sticky key and the response writer of the plain request
-	// being served, for the RoundTripper goproxy calls (a connection
-	// serves one request at a time).
-	key string
-	w   http.ResponseWriter
-	// HTTP: the bytes read before the connection went to the server, which
-	// reads them first.
-	pre []byte
 }
 
 func (c *clientConn) Read(p []byte) (int, error) {
-	if len(c.pre) > 0 { // counted when first read
-		n := copy(p, c.pre)
-		c.pre = c.pre[n:]
-		return n, nil
-	}
 	n, err := c.Conn.Read(p)
 	c.up.Add(int64(n))
 	return n, err
@@ -528,8 +511,7 @@ func (c *clientConn) Write(p []byte) (int, error) {
 }
 
 // CloseWrite half-closes the client's socket where it can: a lingering
-// close (ours, and net/http's for the connections it serves) sends its FIN
-// before it drains.
+// close sends its FIN before it drains.
 func (c *clientConn) CloseWrite() error {
 	if cw, ok := c.Conn.(closeWriter); ok {
 		return cw.CloseWrite()

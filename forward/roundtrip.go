@@ -14,7 +14,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/elazarl/goproxy"
 	"github.com/proxyd/proxyd/forward/socks5"
 	"github.com/proxyd/proxyd/pool"
 )
@@ -293,16 +292,16 @@ func (rb *replayBody) next() *bodyAttempt {
 // flushingBody is an answer's body on Transport (TLS to the destination, or
 // "Expect: 100-continue"). It flushes what the client was given so far
 // before each read, since it cannot tell whether the read will wait:
-// otherwise a streamed answer would sit in the response's buffer until that
-// fills (goproxy flushes event streams only). A plainBody flushes only
-// before a read that would wait (headLimit.idle).
+// otherwise a streamed answer would sit in the answer's buffer until that
+// fills. A plainBody flushes only before a read that would wait
+// (headLimit.idle).
 type flushingBody struct {
 	io.ReadCloser
-	flush func() error
+	flush func()
 }
 
 func (b *flushingBody) Read(p []byte) (int, error) {
-	_ = b.flush()
+	b.flush()
 	return b.ReadCloser.Read(p)
 }
 
@@ -361,69 +360,38 @@ func resendable(req *http.Request) bool {
 	return key || xkey
 }
 
-// roundTrip sends one plain request through the attempt loop. It never
-// returns an error: goproxy would put its text in the body.
-func (l *Listener) roundTrip(req *http.Request, _ *goproxy.ProxyCtx) (*http.Response, error) {
-	ctx := req.Context()
-	cc, _ := ctx.Value(connKey).(*clientConn)
-	var key string
-	if cc != nil {
-		key = cc.key
-	}
-	// req's hop-by-hop headers went in serveHTTP, before goproxy.
+// roundTrip sends one plain request through the attempt loop under ctx
+// (the client connection's) and returns the answer to write: the
+// destination's, or proxyd's own when no attempt succeeded. flush passes
+// on what the client was given so far; a streamed answer calls it before
+// it waits for more.
+func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Request, key string, flush func()) *http.Response {
+	// req's hop-by-hop headers are gone already.
 	j := &job{key: key, plain: true, hedge: resendable(req), resendStale: idempotent(req.Method)}
 	var rb *replayBody
 	if req.Body != nil && req.Body != http.NoBody {
-		rb = &replayBody{rc: req.Body, j: j, idle: l.cfg.IdleTimeout}
-		if cc != nil {
-			rb.client = cc.Conn
-		}
+		rb = &replayBody{rc: req.Body, j: j, idle: l.cfg.IdleTimeout, client: cc.Conn}
 		j.again = rb.again
 	}
 	j.do = func(ctx context.Context, up *pool.Upstream) tryResult { return l.plainAttempt(ctx, req, rb, up) }
 	w, a, retries := l.run(ctx, j)
-	if cc != nil {
-		cc.retries.Add(int32(retries))
-	}
+	cc.retries.Add(int32(retries))
 	if w == nil {
-		if cc != nil {
-			cc.setOutcome(a.outcome)
-		}
-		return handOver(cc, errorResponse(req, a.status, a.text)), nil
+		cc.setOutcome(a.outcome)
+		return errorResponse(req, a.status, a.text)
 	}
 	resp := w.res.resp
 	stripHop(resp.Header, false)
-	if cc != nil && cc.w != nil {
-		flush := http.NewResponseController(cc.w).Flush
-		if pb, ok := resp.Body.(*plainBody); ok {
-			pb.pc.head.idle = func() { _ = flush() }
-		} else {
-			resp.Body = &flushingBody{ReadCloser: resp.Body, flush: flush}
-		}
+	if pb, ok := resp.Body.(*plainBody); ok {
+		pb.pc.head.idle = flush
+	} else {
+		resp.Body = &flushingBody{ReadCloser: resp.Body, flush: flush}
 	}
 	resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() {
 		w.cancel(nil)
 		l.pool.Release(w.up)
 	}}
-	if cc != nil {
-		cc.setOutcome(OutcomeOK)
-	}
-	return handOver(cc, resp), nil
-}
-
-// handOver moves the answer's header fields into the client's response
-// writer, whose fields goproxy keeps (KeepDestinationHeaders) and adds
-// resp's to: its copy would allocate once per value. Without a writer
-// (goproxy called from elsewhere) resp keeps them.
-func handOver(cc *clientConn, resp *http.Response) *http.Response {
-	if cc == nil || cc.w == nil {
-		return resp
-	}
-	h := cc.w.Header()
-	for k, v := range resp.Header {
-		h[k] = v
-	}
-	clear(resp.Header)
+	cc.setOutcome(OutcomeOK)
 	return resp
 }
 

@@ -99,8 +99,8 @@ func TestHTTPSAbsoluteForm(t *testing.T) {
 	})
 }
 
-// proxyd never takes proxy settings from its environment (goproxy's and
-// net/http's defaults do): with HTTP_PROXY, HTTPS_PROXY and ALL_PROXY
+// proxyd never takes proxy settings from its environment (net/http's
+// defaults do): with HTTP_PROXY, HTTPS_PROXY and ALL_PROXY
 // pointing at a trap, plain, https:// and CONNECT requests for a named
 // destination go through the upstream, and the trap sees no connection. The
 // requests run in a child process started with that environment, since
