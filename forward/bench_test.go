@@ -22,15 +22,18 @@ import (
 	"github.com/proxyd/proxyd/pool"
 )
 
-// Benchmarks compare the same load straight to the same upstream (the
-// baseline) with the load through proxyd, in the same run, and report the
-// ratio proxied/direct as "ratio". Each iteration runs a whole load both
-// ways; run with -benchtime=10x or more (a single round's ratio moves
-// widely on a small VM), 1x for a quick look. The upstreams are the test
-// upstreams, which copy through user-space buffers and so make direct
-// slower than real upstreams do: these ratios run higher than those of the
-// out-of-process rig that BENCHMARKS.md reports, and only the rig compares
-// proxyd with a plain io.Copy forwarder.
+// Benchmarks time the same load through three targets in the same run:
+// straight to the upstream ("direct", what a client gets without a local
+// proxy), through ref (a plain io.Copy forwarder, benchupstream_test.go) and
+// through proxyd, all three to the same upstream and destination. They
+// report each target's rate, proxyd's over direct's as "ratio" and
+// proxyd's over ref's as "ratio-ref" (>= 1: proxyd at least as fast as a
+// minimal forwarder). The upstream relays tunnels with io.Copy between TCP
+// connections, which splices on Linux, as real upstreams do. Each iteration
+// is one round that runs the whole load through every target in turn; run
+// with -benchtime=10x or more (a single round's ratio moves widely on a
+// small VM), 1x for a quick look. BENCHMARKS.md says how these ratios
+// compare with those of the out-of-process rig.
 
 // benchListener serves cfg on loopback for a benchmark.
 func benchListener(b *testing.B, cfg Config, p Pool) string {
@@ -97,13 +100,6 @@ func drain(r io.Reader) (int64, error) {
 	return io.CopyBuffer(struct{ io.Writer }{io.Discard}, struct{ io.Reader }{r}, make([]byte, 64<<10))
 }
 
-func upstreamFor(b testing.TB, protocol pool.Protocol) *pool.Upstream {
-	if protocol == pool.SOCKS5 {
-		return newSOCKSUpstream(b, "", "", nil).upstream(1)
-	}
-	return newHTTPUpstream(b, "", "", nil).upstream(1)
-}
-
 // timeLoad runs load with c workers each doing ops operations and returns
 // the wall time.
 func timeLoad(b testing.TB, c, ops int, op func() error) time.Duration {
@@ -132,24 +128,37 @@ func timeLoad(b testing.TB, c, ops int, op func() error) time.Duration {
 	return d
 }
 
-func reportRatio(b *testing.B, direct, proxied time.Duration, unit string, amount float64) {
-	b.ReportMetric(amount/direct.Seconds(), unit+"-direct")
-	b.ReportMetric(amount/proxied.Seconds(), unit+"-proxyd")
-	b.ReportMetric(direct.Seconds()/proxied.Seconds(), "ratio")
+// The targets a load is timed through, in their order in a round.
+const (
+	targetDirect = iota
+	targetRef
+	targetProxyd
+	numTargets
+)
+
+var targetNames = [numTargets]string{"direct", "ref", "proxyd"}
+
+// reportRates reports each target's rate (amount of unit in took[target])
+// and the ratios of proxyd's rate to direct's and to ref's.
+func reportRates(b *testing.B, took [numTargets]time.Duration, unit string, amount float64) {
+	for i, name := range targetNames {
+		b.ReportMetric(amount/took[i].Seconds(), unit+"-"+name)
+	}
+	b.ReportMetric(took[targetDirect].Seconds()/took[targetProxyd].Seconds(), "ratio")
+	b.ReportMetric(took[targetRef].Seconds()/took[targetProxyd].Seconds(), "ratio-ref")
 }
 
-// benchLoad is one load of the benchmarks. serve starts the destination and
-// the upstream and returns the upstream and the target the clients use;
-// client returns the operation to time against a proxy address (the
-// upstream itself for the baseline, proxyd otherwise).
+// benchLoad is one load of the benchmarks. dest starts the destination and
+// returns its address; client returns the operation to time against a
+// proxy address (the upstream itself for the baseline, ref or proxyd).
 type benchLoad struct {
 	name     string
-	protocol pool.Protocol // of the listener and the upstream
+	protocol pool.Protocol // the proxy protocol the clients speak
 	c, ops   int           // workers, operations per worker
 	unit     string
 	amount   float64 // of unit per operation
-	serve    func(tb testing.TB) (up *pool.Upstream, target string)
-	client   func(tb testing.TB, target string) func(proxyAddr string) func() error
+	dest     func(tb testing.TB) string
+	client   func(tb testing.TB, dest string) func(proxyAddr string) func() error
 }
 
 func benchLoads() []benchLoad {
@@ -161,8 +170,8 @@ func benchLoads() []benchLoad {
 			loads = append(loads, benchLoad{
 				name: fmt.Sprintf("throughput/%s/streams=%d", protocol, streams), protocol: protocol,
 				c: streams, ops: 1, unit: "MB/s", amount: float64(n) / 1e6,
-				serve: func(tb testing.TB) (*pool.Upstream, string) {
-					return upstreamFor(tb, protocol), startTCP(tb, "tcp", "127.0.0.1:0", sourceServe(n))
+				dest: func(tb testing.TB) string {
+					return startTCP(tb, "tcp", "127.0.0.1:0", sourceServe(n))
 				},
 				client: func(_ testing.TB, src string) func(string) func() error {
 					return func(proxyAddr string) func() error {
@@ -191,8 +200,8 @@ func benchLoads() []benchLoad {
 		loads = append(loads, benchLoad{
 			name: fmt.Sprintf("setup/%s/c=32", protocol), protocol: protocol,
 			c: 32, ops: 1500 / 32, unit: "setups/s", amount: 1,
-			serve: func(tb testing.TB) (*pool.Upstream, string) {
-				return upstreamFor(tb, protocol), startTCP(tb, "tcp", "127.0.0.1:0", echoServe)
+			dest: func(tb testing.TB) string {
+				return startTCP(tb, "tcp", "127.0.0.1:0", echoServe)
 			},
 			client: func(_ testing.TB, echo string) func(string) func() error {
 				return func(proxyAddr string) func() error {
@@ -219,12 +228,12 @@ func benchLoads() []benchLoad {
 func plainLoad(name string, c, ops int, keepAlive bool) benchLoad {
 	return benchLoad{
 		name: name, protocol: pool.HTTP, c: c, ops: ops, unit: "req/s", amount: 1,
-		serve: func(tb testing.TB) (*pool.Upstream, string) {
+		dest: func(tb testing.TB) string {
 			body := make([]byte, 1024)
 			origin, _ := startOrigin(tb, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 				_, _ = w.Write(body)
 			}))
-			return newHTTPUpstream(tb, "", "", nil).upstream(1), origin
+			return origin
 		},
 		client: func(tb testing.TB, origin string) func(string) func() error {
 			clients := map[string]*http.Client{}
@@ -256,37 +265,53 @@ func plainLoad(name string, c, ops int, keepAlive bool) benchLoad {
 	}
 }
 
-// measure warms both paths, then times the load straight to the upstream
-// and through proxyd, rounds times each. With cpu set it also adds up the
-// CPU time cpu reports over each phase.
-func (ld benchLoad) measure(tb testing.TB, op func(string) func() error, upAddr, proxydAddr string, rounds int,
-	cpu func() cpuTimes) (direct, proxied time.Duration, cpuDirect, cpuProxied cpuTimes) {
-	timeLoad(tb, ld.c, 1, op(upAddr))
-	timeLoad(tb, ld.c, 1, op(proxydAddr))
+// measure warms every target, then runs rounds rounds, each timing the
+// load through every target in turn (addrs, in target order), and returns
+// each target's total time. With cpu set it also adds up the CPU time cpu
+// reports over each target's phases.
+func (ld benchLoad) measure(tb testing.TB, op func(string) func() error, addrs [numTargets]string, rounds int,
+	cpu func() cpuTimes) (took [numTargets]time.Duration, spent [numTargets]cpuTimes) {
+	for _, addr := range addrs {
+		timeLoad(tb, ld.c, 1, op(addr))
+	}
 	for range rounds {
-		var c0, c1, c2 cpuTimes
-		if cpu != nil {
-			c0 = cpu()
-		}
-		direct += timeLoad(tb, ld.c, ld.ops, op(upAddr))
-		if cpu != nil {
-			c1 = cpu()
-		}
-		proxied += timeLoad(tb, ld.c, ld.ops, op(proxydAddr))
-		if cpu != nil {
-			c2 = cpu()
-		}
-		for i := range c0 {
-			cpuDirect[i] += c1[i] - c0[i]
-			cpuProxied[i] += c2[i] - c1[i]
+		for i, addr := range addrs {
+			var before cpuTimes
+			if cpu != nil {
+				before = cpu()
+			}
+			took[i] += timeLoad(tb, ld.c, ld.ops, op(addr))
+			if cpu != nil {
+				after := cpu()
+				for p := range after {
+					spent[i][p] += after[p] - before[p]
+				}
+			}
 		}
 	}
-	return direct, proxied, cpuDirect, cpuProxied
+	return took, spent
 }
 
-// cpuTimes is the CPU time, in seconds, of the serving child (upstream and
-// destination), the load child and proxyd's process.
-type cpuTimes [3]float64
+// cpuTimes is the CPU time, in seconds, of each process of
+// BenchmarkSeparateProcesses.
+type cpuTimes [numProcs]float64
+
+const (
+	procUpstream = iota
+	procDest
+	procLoad // the clients
+	procRef
+	procProxyd // the benchmark's own process
+	numProcs
+)
+
+func (c cpuTimes) total() float64 {
+	var t float64
+	for _, v := range c {
+		t += v
+	}
+	return t
+}
 
 // processCPU reads a process's user+system CPU seconds from /proc (in
 // clock ticks of 1/100 s, USER_HZ on Linux).
@@ -307,43 +332,65 @@ func processCPU(pid int) float64 {
 	return float64(u+st) / 100
 }
 
-// BenchmarkInProcess runs load, upstream, destination and proxyd in this
-// process.
+// BenchmarkInProcess runs load, upstream, destination, ref and proxyd in
+// this process.
 func BenchmarkInProcess(b *testing.B) {
 	for _, ld := range benchLoads() {
 		b.Run(ld.name, func(b *testing.B) {
-			up, target := ld.serve(b)
-			addr := benchListener(b, testConfig(func(c *Config) { c.Protocol = string(ld.protocol) }), newFakePool(up))
-			direct, proxied, _, _ := ld.measure(b, ld.client(b, target), up.Address, addr, b.N, nil)
-			reportRatio(b, direct, proxied, ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
+			up := startBenchUpstream(b)
+			dest := ld.dest(b)
+			ref := startBenchRef(b, up.http)
+			addr := benchListener(b, testConfig(func(c *Config) { c.Protocol = string(ld.protocol) }), newFakePool(up.upstream(ld.protocol)))
+			took, _ := ld.measure(b, ld.client(b, dest), [numTargets]string{up.of(ld.protocol), ref.of(ld.protocol), addr}, b.N, nil)
+			reportRates(b, took, ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
 		})
 	}
 }
 
 // BenchmarkSeparateProcesses runs each party in its own process, as in
-// production: the upstream and the destination in one child process, the
-// load (the clients) in another, proxyd alone in this one. Both children are
-// this test binary re-executed as TestBenchHelper. Besides the ratio it
-// reports the CPU seconds all three processes spent in each phase and
-// proxyd's own share of the proxied phase: where a ratio comes from.
+// production and in the rig: the upstream, the destination, ref and the
+// load (the clients) in child processes, proxyd alone in this one. (With
+// the upstream and the destination in one process, a request handed
+// between them needs no wake-up of another process, which made direct
+// faster than a real upstream would.) The children are this test binary
+// re-executed as TestBenchHelper. Besides the rates and ratios it reports
+// the CPU seconds all five processes spent
+// while each target was timed (CPU-s-direct, CPU-s-viaref,
+// CPU-s-proxied), ref's and proxyd's own CPU seconds in their phases
+// (CPU-s-ref, CPU-s-proxyd: both forwarders did the same work, so these
+// compare as CPU per unit) and their quotient, cpu-ratio-ref (<= 1: proxyd
+// spent no more than ref).
 func BenchmarkSeparateProcesses(b *testing.B) {
 	for _, ld := range benchLoads() {
 		b.Run(ld.name, func(b *testing.B) {
-			server := startHelper(b, "serve", ld.name, b.N)
-			upAddr := server.next("UPSTREAM ")
-			target := server.next("TARGET ")
-			up := &pool.Upstream{Service: 1, Protocol: ld.protocol, Address: upAddr}
-			addr := benchListener(b, testConfig(func(c *Config) { c.Protocol = string(ld.protocol) }), newFakePool(up))
+			upstream := startHelper(b, "upstream", ld.name, b.N)
+			up := proxyAddrs{http: upstream.next("UPSTREAM-HTTP "), socks5: upstream.next("UPSTREAM-SOCKS5 ")}
+			destination := startHelper(b, "dest", ld.name, b.N)
+			dest := destination.next("DEST ")
+			ref := startHelper(b, "ref", ld.name, b.N)
+			fmt.Fprintln(ref.stdin, up.http)
+			refAddrs := proxyAddrs{http: ref.next("REF-HTTP "), socks5: ref.next("REF-SOCKS5 ")}
+			addr := benchListener(b, testConfig(func(c *Config) { c.Protocol = string(ld.protocol) }), newFakePool(up.upstream(ld.protocol)))
 			load := startHelper(b, "load", ld.name, b.N)
-			fmt.Fprintf(load.stdin, "%s %s %s %d\n", upAddr, target, addr, server.pid)
-			var d, p, cpuDirect, cpuProxied, cpuProxyd float64
-			if _, err := fmt.Sscan(load.next("RESULT "), &d, &p, &cpuDirect, &cpuProxied, &cpuProxyd); err != nil {
+			fmt.Fprintf(load.stdin, "%s %s %s %s %d %d %d\n", up.of(ld.protocol), refAddrs.of(ld.protocol), addr, dest,
+				upstream.pid, destination.pid, ref.pid)
+			var took [numTargets]float64
+			var all [numTargets]float64 // all five processes' CPU in each target's phases
+			var cpuRef, cpuProxyd float64
+			if _, err := fmt.Sscan(load.next("RESULT "), &took[0], &took[1], &took[2], &all[0], &all[1], &all[2], &cpuRef, &cpuProxyd); err != nil {
 				b.Fatal(err)
 			}
-			reportRatio(b, time.Duration(d*1e9), time.Duration(p*1e9), ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
-			b.ReportMetric(cpuDirect, "CPU-s-direct")
-			b.ReportMetric(cpuProxied, "CPU-s-proxied")
+			var d [numTargets]time.Duration
+			for i, s := range took {
+				d[i] = time.Duration(s * 1e9)
+			}
+			reportRates(b, d, ld.unit, float64(b.N*ld.c*ld.ops)*ld.amount)
+			b.ReportMetric(all[targetDirect], "CPU-s-direct")
+			b.ReportMetric(all[targetRef], "CPU-s-viaref")
+			b.ReportMetric(all[targetProxyd], "CPU-s-proxied")
+			b.ReportMetric(cpuRef, "CPU-s-ref")
 			b.ReportMetric(cpuProxyd, "CPU-s-proxyd")
+			b.ReportMetric(cpuProxyd/cpuRef, "cpu-ratio-ref")
 		})
 	}
 }
@@ -355,6 +402,10 @@ type helperProc struct {
 	pid   int
 }
 
+// helperExitTimeout bounds how long a helper may take to end once its
+// stdin is closed before it is killed.
+const helperExitTimeout = 10 * time.Second
+
 func startHelper(tb testing.TB, role, load string, rounds int) *helperProc {
 	cmd := exec.Command(os.Args[0], "-test.run=^TestBenchHelper$")
 	cmd.Env = append(os.Environ(), benchHelperEnv+"="+role, "FORWARD_LOAD="+load, "FORWARD_LOAD_ROUNDS="+strconv.Itoa(rounds))
@@ -364,7 +415,12 @@ func startHelper(tb testing.TB, role, load string, rounds int) *helperProc {
 	if err := cmd.Start(); err != nil {
 		tb.Fatal(err)
 	}
-	tb.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
+	tb.Cleanup(func() {
+		_ = stdin.Close() // tells the helper to end
+		kill := time.AfterFunc(helperExitTimeout, func() { _ = cmd.Process.Kill() })
+		defer kill.Stop()
+		_ = cmd.Wait()
+	})
 	return &helperProc{tb: tb, stdin: stdin, lines: bufio.NewScanner(stdout), pid: cmd.Process.Pid}
 }
 
@@ -380,13 +436,30 @@ func (h *helperProc) next(prefix string) string {
 
 const benchHelperEnv = "FORWARD_BENCH_HELPER"
 
-// TestBenchHelper is a child of BenchmarkSeparateProcesses: role "serve"
-// runs a load's upstream and destination until stdin closes, role "load"
-// times its clients straight to the upstream and through proxyd.
+// TestBenchHelper is a child of BenchmarkSeparateProcesses: role
+// "upstream" runs the upstream, "dest" a load's destination, "ref" ref to
+// the upstream named on stdin, each until stdin closes; role "load" times
+// its clients straight to the upstream, through ref and through proxyd.
 func TestBenchHelper(t *testing.T) {
 	role := os.Getenv(benchHelperEnv)
 	if role == "" {
 		t.Skip("child process of BenchmarkSeparateProcesses")
+	}
+	switch role {
+	case "upstream":
+		up := startBenchUpstream(t)
+		fmt.Printf("UPSTREAM-HTTP %s\nUPSTREAM-SOCKS5 %s\n", up.http, up.socks5)
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		return
+	case "ref":
+		var upstreamHTTP string
+		if _, err := fmt.Fscanln(os.Stdin, &upstreamHTTP); err != nil {
+			t.Fatal(err)
+		}
+		ref := startBenchRef(t, upstreamHTTP)
+		fmt.Printf("REF-HTTP %s\nREF-SOCKS5 %s\n", ref.http, ref.socks5)
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		return
 	}
 	name := os.Getenv("FORWARD_LOAD")
 	rounds, _ := strconv.Atoi(os.Getenv("FORWARD_LOAD_ROUNDS"))
@@ -394,25 +467,34 @@ func TestBenchHelper(t *testing.T) {
 		if ld.name != name {
 			continue
 		}
-		if role == "serve" {
-			up, target := ld.serve(t)
-			fmt.Printf("UPSTREAM %s\nTARGET %s\n", up.Address, target)
+		if role == "dest" {
+			fmt.Printf("DEST %s\n", ld.dest(t))
 			_, _ = io.Copy(io.Discard, os.Stdin)
 			return
 		}
 		var (
-			upAddr, target, proxydAddr string
-			servePID                   int
+			addrs                        [numTargets]string
+			dest                         string
+			upstreamPID, destPID, refPID int
 		)
-		if _, err := fmt.Fscan(os.Stdin, &upAddr, &target, &proxydAddr, &servePID); err != nil {
+		if _, err := fmt.Fscan(os.Stdin, &addrs[targetDirect], &addrs[targetRef], &addrs[targetProxyd], &dest,
+			&upstreamPID, &destPID, &refPID); err != nil {
 			t.Fatal(err)
 		}
 		cpu := func() cpuTimes {
-			return cpuTimes{processCPU(servePID), processCPU(os.Getpid()), processCPU(os.Getppid())}
+			var c cpuTimes
+			c[procUpstream] = processCPU(upstreamPID)
+			c[procDest] = processCPU(destPID)
+			c[procLoad] = processCPU(os.Getpid())
+			c[procRef] = processCPU(refPID)
+			c[procProxyd] = processCPU(os.Getppid())
+			return c
 		}
-		direct, proxied, cd, cp := ld.measure(t, ld.client(t, target), upAddr, proxydAddr, rounds, cpu)
-		fmt.Printf("RESULT %f %f %f %f %f\n", direct.Seconds(), proxied.Seconds(),
-			cd[0]+cd[1]+cd[2], cp[0]+cp[1]+cp[2], cp[2])
+		took, spent := ld.measure(t, ld.client(t, dest), addrs, rounds, cpu)
+		fmt.Printf("RESULT %f %f %f %f %f %f %f %f\n",
+			took[targetDirect].Seconds(), took[targetRef].Seconds(), took[targetProxyd].Seconds(),
+			spent[targetDirect].total(), spent[targetRef].total(), spent[targetProxyd].total(),
+			spent[targetRef][procRef], spent[targetProxyd][procProxyd])
 		return
 	}
 	t.Fatalf("no load %q", name)
