@@ -1,0 +1,214 @@
+package forward
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/pool"
+)
+
+// dialRaw opens a client connection to addr with a deadline for the whole
+// exchange.
+func dialRaw(t *testing.T, addr string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	return c, bufio.NewReader(c)
+}
+
+// readAnswer reads one answer to method and its whole body.
+func readAnswer(t *testing.T, br *bufio.Reader, method string) (*http.Response, string) {
+	t.Helper()
+	resp, err := http.ReadResponse(br, &http.Request{Method: method})
+	if err != nil {
+		t.Fatalf("reading the answer: %v", err)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("reading the answer's body: %v", err)
+	}
+	return resp, string(b)
+}
+
+// A client that hangs up while its answer is awaited ends the request's
+// attempt: the upstream connection is closed at once, nobody is blamed,
+// and the connection counts as the client's failure.
+func TestPlainClientHangsUp(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(_ int64, _ *http.Request, c net.Conn) (string, bool) {
+		// No answer: wait until proxyd closes the connection.
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, _ = c.Read(make([]byte, 1))
+		return "", true
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	c, _ := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://example.test/slow HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	waitFor(t, 5*time.Second, func() bool { return su.reqs.Load() == 1 }, "the request at the upstream")
+	start := time.Now()
+	_ = c.Close()
+	waitFor(t, 5*time.Second, func() bool { return su.closed.Load() == 1 }, "the upstream connection closed")
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("the attempt ended %v after the client left", d)
+	}
+	p.waitBalanced(t)
+	if got := p.Reports(); len(got) != 1 || got[0].res != pool.Canceled {
+		t.Errorf("reports %+v, want one canceled", got)
+	}
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection reported")
+	if got := tl.obs.Closeds()[0].o; got != OutcomeClientError {
+		t.Errorf("outcome %v, want client_error", got)
+	}
+}
+
+// Requests a client sends without waiting for the answers are answered in
+// order on the same connection, also when the first answer is slow enough
+// for the client's connection to be watched.
+func TestPlainPipelinedRequests(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(_ int64, req *http.Request, _ net.Conn) (string, bool) {
+		if req.URL.Path == "/slow" {
+			time.Sleep(3 * watchAfter)
+		}
+		return okAnswer(req.URL.Path), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	c, br := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://example.test/slow HTTP/1.1\r\nHost: example.test\r\n\r\n"+
+		"GET http://example.test/b HTTP/1.1\r\nHost: example.test\r\n\r\n"+
+		"HEAD http://example.test/c HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	for _, want := range []string{"/slow", "/b"} {
+		if resp, body := readAnswer(t, br, http.MethodGet); resp.StatusCode != 200 || body != want {
+			t.Errorf("answer %d %q, want 200 %q", resp.StatusCode, body, want)
+		}
+	}
+	resp, body := readAnswer(t, br, http.MethodHead)
+	if resp.StatusCode != 200 || body != "" || resp.ContentLength != 2 {
+		t.Errorf("HEAD answer %d, %q, length %d", resp.StatusCode, body, resp.ContentLength)
+	}
+	p.waitBalanced(t)
+	if f := failures(p); len(f) != 0 {
+		t.Errorf("failures %+v", f)
+	}
+}
+
+// An answer is framed for the client: chunked to an HTTP/1.1 client when
+// its length is not known, up to the connection's end for an HTTP/1.0
+// client, which keeps its connection only for answers of known length and
+// only when it asked to.
+func TestPlainAnswerFraming(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(_ int64, req *http.Request, _ net.Conn) (string, bool) {
+		if req.URL.Path == "/stream" {
+			return "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Sum\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\nX-Sum: 5\r\n\r\n", false
+		}
+		return okAnswer("fixed"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+
+	c, br := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://example.test/stream HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	resp, body := readAnswer(t, br, http.MethodGet)
+	if body != "abcde" || len(resp.TransferEncoding) != 1 || resp.TransferEncoding[0] != "chunked" || resp.Trailer.Get("X-Sum") != "5" {
+		t.Errorf("HTTP/1.1: body %q, transfer encoding %v, trailer %v", body, resp.TransferEncoding, resp.Trailer)
+	}
+
+	c, br = dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://example.test/fixed HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"+
+		"GET http://example.test/stream HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+	resp, body = readAnswer(t, br, http.MethodGet)
+	if body != "fixed" || resp.Close || resp.Header.Get("Connection") != "keep-alive" {
+		t.Errorf("HTTP/1.0, known length: %q, close %v, Connection %q", body, resp.Close, resp.Header.Get("Connection"))
+	}
+	resp, body = readAnswer(t, br, http.MethodGet)
+	if body != "abcde" || !resp.Close || len(resp.TransferEncoding) != 0 {
+		t.Errorf("HTTP/1.0, length unknown: %q, close %v, transfer encoding %v", body, resp.Close, resp.TransferEncoding)
+	}
+	if _, err := br.ReadByte(); err != io.EOF {
+		t.Errorf("after a close-delimited answer: %v, want the connection's end", err)
+	}
+	p.waitBalanced(t)
+}
+
+// What net/http's server refused, the listener refuses too: an
+// expectation other than 100-continue (417), a header that is not a valid
+// token or value (400); neither reaches an upstream.
+func TestPlainHeadChecks(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(int64, *http.Request, net.Conn) (string, bool) { return okAnswer("x"), false })
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	for _, tc := range []struct {
+		head string
+		want int
+	}{
+		{"GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\nExpect: 200-ok\r\n\r\n", http.StatusExpectationFailed},
+		{"GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\nX-A: a\x01b\r\n\r\n", http.StatusBadRequest},
+		{"GET http://exa mple.test/ HTTP/1.1\r\nHost: example.test\r\n\r\n", http.StatusBadRequest},
+	} {
+		c, br := dialRaw(t, tl.addr)
+		_, _ = io.WriteString(c, tc.head)
+		if resp, _ := readAnswer(t, br, http.MethodGet); resp.StatusCode != tc.want {
+			t.Errorf("%q: %d, want %d", tc.head, resp.StatusCode, tc.want)
+		}
+	}
+	if n := su.reqs.Load(); n != 0 {
+		t.Errorf("%d requests reached the upstream", n)
+	}
+}
+
+// Shutdown closes a kept-alive connection that waits for its next request,
+// and lets one whose request is being served have its answer, marked as
+// the connection's last.
+func TestShutdownKeptAliveConnections(t *testing.T) {
+	checkLeaks(t)
+	release := make(chan struct{})
+	su := startScripted(t, func(_ int64, req *http.Request, _ net.Conn) (string, bool) {
+		if req.URL.Path == "/slow" {
+			<-release
+		}
+		return okAnswer("done"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	idle, ibr := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(idle, "GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	readAnswer(t, ibr, http.MethodGet)
+	busy, bbr := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(busy, "GET http://example.test/slow HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	waitFor(t, 5*time.Second, func() bool { return su.reqs.Load() == 2 }, "the slow request at the upstream")
+
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		done <- tl.Shutdown(ctx)
+	}()
+	if _, err := ibr.ReadByte(); err != io.EOF {
+		t.Errorf("idle connection: %v, want it closed", err)
+	}
+	close(release)
+	resp, body := readAnswer(t, bbr, http.MethodGet)
+	if body != "done" || !resp.Close {
+		t.Errorf("busy connection's answer %q, close %v: want it whole and the last", body, resp.Close)
+	}
+	if err := <-done; err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if !strings.Contains(resp.Header.Get("Connection"), "close") && !resp.Close {
+		t.Errorf("no Connection: close on the last answer")
+	}
+}
