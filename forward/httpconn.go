@@ -161,8 +161,17 @@ func (hc *httpConn) awaitHead(first bool) bool {
 		<-done // the client's watch waits for the next head (clientWatch.start)
 	}
 	hc.lr.N = maxHeaderBytes
-	if _, err := hc.br.Peek(1); err != nil {
-		return false
+	for {
+		// Empty lines before a request line are skipped (RFC 9112 §2.2):
+		// some clients send CRLF after a body.
+		b, err := hc.br.Peek(1)
+		if err != nil {
+			return false
+		}
+		if b[0] != '\r' && b[0] != '\n' {
+			break
+		}
+		_, _ = hc.br.Discard(1)
 	}
 	if !cc.idle.CompareAndSwap(true, false) {
 		return false // Shutdown closed it
@@ -192,11 +201,14 @@ func (b badHead) Error() string { return b.why }
 
 // checkHead makes the checks net/http's server adds to http.ReadRequest
 // (which takes the Host header out of the header and refuses two of
-// them): a valid host, header names and values that are tokens and text,
+// them): HTTP/1.x, a valid host, header names and values that are tokens and text,
 // and no expectation other than 100-continue. A missing Host header is let
 // through: a request in absolute form names its host in the URI, which is
 // all that proxyd goes by.
 func checkHead(req *http.Request) error {
+	if req.ProtoMajor != 1 {
+		return badHead{http.StatusHTTPVersionNotSupported, "unsupported HTTP version"}
+	}
 	if !httpguts.ValidHostHeader(req.Host) {
 		return badHead{http.StatusBadRequest, "malformed Host header"}
 	}
@@ -210,7 +222,7 @@ func checkHead(req *http.Request) error {
 			}
 		}
 	}
-	if e := req.Header.Get("Expect"); e != "" && !strings.EqualFold(e, "100-continue") {
+	if e := req.Header["Expect"]; len(e) > 0 && !httpguts.HeaderValuesContainsToken(e, "100-continue") {
 		return badHead{http.StatusExpectationFailed, "unsupported expectation"}
 	}
 	return nil
@@ -231,9 +243,7 @@ func (hc *httpConn) servePlain(req *http.Request) bool {
 	if req.Body == http.NoBody || req.Body == nil {
 		body = nil
 	} else {
-		if req.ProtoAtLeast(1, 1) && strings.EqualFold(req.Header.Get("Expect"), "100-continue") {
-			body.expect = true
-		}
+		body.expect = req.ProtoAtLeast(1, 1) && httpguts.HeaderValuesContainsToken(req.Header["Expect"], "100-continue")
 		req.Body = body
 	}
 	key, ok := l.login(cc, req.Header)
@@ -264,11 +274,13 @@ func (hc *httpConn) servePlain(req *http.Request) bool {
 	// origin see another target than the one checked.
 	req.Host = req.URL.Host
 	if isUpgrade(req.Header) {
-		hc.serveUpgrade(req, body, key, socks5.Addr{Host: host, Port: port})
-		return false
+		return hc.serveUpgrade(req, body, key, socks5.Addr{Host: host, Port: port})
 	}
 	stripHop(req.Header, false)
-	hc.watch.begin(body == nil)
+	gen := hc.watch.begin(body == nil)
+	if body != nil {
+		body.gen = gen
+	}
 	resp := l.roundTrip(hc.ctx, cc, req, key, hc.flush)
 	return hc.writeAnswer(req, body, resp)
 }
@@ -292,6 +304,7 @@ func (hc *httpConn) answerError(req *http.Request, body *requestBody, status int
 func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http.Response, header ...string) bool {
 	bw := hc.bw
 	if body != nil {
+		body.discardRest()
 		body.answered()
 	}
 	keep := !req.Close && !hc.l.draining.Load() && (body == nil || body.done())
@@ -318,7 +331,11 @@ func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http
 	_, _ = bw.WriteString("HTTP/1.1 ")
 	_, _ = bw.WriteString(strconv.Itoa(status))
 	_ = bw.WriteByte(' ')
-	_, _ = bw.WriteString(http.StatusText(status))
+	if text := http.StatusText(status); text != "" {
+		_, _ = bw.WriteString(text)
+	} else {
+		_, _ = bw.WriteString("status code " + strconv.Itoa(status))
+	}
 	_, _ = bw.WriteString("\r\n")
 	if !keep {
 		_, _ = bw.WriteString("Connection: close\r\n")
@@ -385,37 +402,56 @@ func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http
 }
 
 // requestBody is a plain request's body as the attempts read it. It sends
-// "100 Continue" before its first read when the client asked for it, and
-// notes when it is read to its end, which the client's watch waits for.
+// "100 Continue" before its first read when the client asked for it,
+// bounds each read by idle_timeout (a client that stalls its upload is the
+// client's failure), and notes when it is read to its end, which the
+// client's watch waits for. Once the answer is being written it is not
+// read any more, as net/http's server did: the connection then closes
+// unless the body was read whole, or nobody had read of it and its rest
+// was small (discardRest).
 type requestBody struct {
-	rc     io.ReadCloser
-	hc     *httpConn
-	mu     sync.Mutex
-	expect bool // the client waits for 100 Continue before it sends the body
-	sent   bool // 100 Continue went out
-	over   bool // the answer is being written: no 100 Continue any more
-	eof    bool
+	rc      io.ReadCloser
+	hc      *httpConn
+	gen     uint64 // the request's number in its clientWatch
+	mu      sync.Mutex
+	expect  bool // the client waits for 100 Continue before it sends the body
+	sent    bool // 100 Continue went out
+	started bool // an attempt read of it
+	over    bool // the answer is being written
+	eof     bool
 }
 
 var errBodyNotWanted = errors.New("request body not read: the answer came first")
 
 func (b *requestBody) Read(p []byte) (int, error) {
+	cc := b.hc.cc
 	b.mu.Lock()
-	if b.expect && !b.sent {
-		if b.over {
-			b.mu.Unlock()
-			return 0, errBodyNotWanted
-		}
-		b.sent = true
-		_, _ = io.WriteString(b.hc.cc, "HTTP/1.1 100 Continue\r\n\r\n")
+	switch {
+	case b.eof:
+		b.mu.Unlock()
+		return 0, io.EOF
+	case b.over:
+		b.mu.Unlock()
+		return 0, errBodyNotWanted
 	}
+	b.started = true
+	if b.expect && !b.sent {
+		b.sent = true
+		_, _ = io.WriteString(cc, "HTTP/1.1 100 Continue\r\n\r\n")
+	}
+	// Under mu: once the answer began, its own deadlines (a lingering
+	// close) are not moved.
+	_ = cc.SetReadDeadline(time.Now().Add(b.hc.l.cfg.IdleTimeout))
 	b.mu.Unlock()
 	n, err := b.rc.Read(p)
 	if err == io.EOF {
 		b.mu.Lock()
+		if !b.over {
+			_ = cc.SetReadDeadline(time.Time{})
+		}
 		b.eof = true
 		b.mu.Unlock()
-		b.hc.watch.bodyDone()
+		b.hc.watch.bodyDone(b.gen)
 	}
 	return n, err
 }
@@ -423,8 +459,8 @@ func (b *requestBody) Read(p []byte) (int, error) {
 // Close does not close the client's body: its end is what done reports.
 func (b *requestBody) Close() error { return nil }
 
-// answered marks the answer's start: a client still waiting for 100
-// Continue gets none.
+// answered marks the answer's start: no more reads, and a client still
+// waiting for 100 Continue gets none.
 func (b *requestBody) answered() {
 	b.mu.Lock()
 	b.over = true
@@ -436,6 +472,28 @@ func (b *requestBody) done() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.eof
+}
+
+// maxDiscard is the most of an unread body read away to keep its
+// connection, as net/http's server did.
+const maxDiscard = 256 << 10
+
+// discardRest reads the rest of a body no attempt read (the request was
+// refused before any was made: a 407, a 403), up to maxDiscard within
+// header_timeout, so that the connection can carry the next request.
+func (b *requestBody) discardRest() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.started || b.eof || (b.expect && !b.sent) {
+		// Being read elsewhere, or through; or the client waits for a
+		// 100 Continue and will send nothing.
+		return
+	}
+	_ = b.hc.cc.SetReadDeadline(time.Now().Add(b.hc.l.cfg.HeaderTimeout))
+	if _, err := io.CopyN(io.Discard, b.rc, maxDiscard+1); err == io.EOF {
+		b.eof = true
+		_ = b.hc.cc.SetReadDeadline(time.Time{})
+	}
 }
 
 // watchAfter is how long a plain request's answer may take before proxyd
@@ -456,16 +514,19 @@ type clientWatch struct {
 	hc     *httpConn
 	mu     sync.Mutex
 	timer  *time.Timer
-	active bool // a request's answer is awaited
-	due    bool // watchAfter passed
-	body   bool // the request's body is read
+	gen    uint64 // the request's number on the connection
+	active bool   // a request's answer is awaited
+	due    bool   // watchAfter passed
+	body   bool   // the request's body is read
 	done   chan struct{}
 }
 
 // begin starts the clock of a request whose body is read (bodyRead) or
-// still to be read.
-func (w *clientWatch) begin(bodyRead bool) {
+// still to be read, and returns the request's number for bodyDone.
+func (w *clientWatch) begin(bodyRead bool) uint64 {
 	w.mu.Lock()
+	w.gen++
+	gen := w.gen
 	w.active, w.due, w.body, w.done = true, false, bodyRead, nil
 	w.mu.Unlock()
 	if w.timer == nil {
@@ -473,6 +534,7 @@ func (w *clientWatch) begin(bodyRead bool) {
 	} else {
 		w.timer.Reset(watchAfter)
 	}
+	return gen
 }
 
 func (w *clientWatch) fire() {
@@ -482,9 +544,14 @@ func (w *clientWatch) fire() {
 	w.startLocked()
 }
 
-func (w *clientWatch) bodyDone() {
+// bodyDone notes that request gen's body was read to its end (a late
+// note about an earlier request changes nothing).
+func (w *clientWatch) bodyDone(gen uint64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if gen != w.gen {
+		return
+	}
 	w.body = true
 	w.startLocked()
 }

@@ -212,3 +212,71 @@ func TestShutdownKeptAliveConnections(t *testing.T) {
 		t.Errorf("no Connection: close on the last answer")
 	}
 }
+
+// An upgrade the origin refuses (no 101) or that cannot be tried gets its
+// answer, and the connection goes on serving requests (and is counted when
+// it ends).
+func TestRefusedUpgradeKeepsConnection(t *testing.T) {
+	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
+		origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("Upgrade") != "" {
+				http.Error(w, "no", http.StatusForbidden)
+				return
+			}
+			_, _ = io.WriteString(w, "plain")
+		}))
+		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), newFakePool(up))
+		c, br := dialRaw(t, tl.addr)
+		for _, tc := range []struct {
+			head string
+			want int
+		}{
+			{"GET http://" + origin + "/ws HTTP/1.1\r\nHost: " + origin + "\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", http.StatusForbidden},
+			{"GET https://" + origin + "/ws HTTP/1.1\r\nHost: " + origin + "\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", http.StatusBadRequest},
+			{"GET http://" + origin + "/ HTTP/1.1\r\nHost: " + origin + "\r\n\r\n", http.StatusOK},
+		} {
+			_, _ = io.WriteString(c, tc.head)
+			if resp, _ := readAnswer(t, br, http.MethodGet); resp.StatusCode != tc.want {
+				t.Errorf("%q: %d, want %d", tc.head, resp.StatusCode, tc.want)
+			}
+		}
+		_ = c.Close()
+		waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "the connection counted closed")
+	})
+}
+
+// A connection goes on after a body: an empty line a client sends after it
+// is skipped (RFC 9112 §2.2), and a small body a refusal left unread is read
+// away, as net/http's server did, so that a client answering a 407 with
+// credentials can use the same connection.
+func TestPlainConnectionAfterBody(t *testing.T) {
+	checkLeaks(t)
+	su := startScripted(t, func(_ int64, req *http.Request, _ net.Conn) (string, bool) {
+		b, _ := io.ReadAll(req.Body)
+		return okAnswer(req.Method + " " + string(b)), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.Users = []User{{"alice", "pw"}}
+	}), p)
+	auth := "Proxy-Authorization: " + basicHeader("alice", "pw") + "\r\n"
+	c, br := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "POST http://example.test/ HTTP/1.1\r\nHost: example.test\r\nContent-Length: 5\r\n\r\nhello")
+	if resp, _ := readAnswer(t, br, http.MethodPost); resp.StatusCode != http.StatusProxyAuthRequired || resp.Close {
+		t.Fatalf("without credentials: %d, close %v; want 407 on a kept connection", resp.StatusCode, resp.Close)
+	}
+	_, _ = io.WriteString(c, "POST http://example.test/ HTTP/1.1\r\nHost: example.test\r\n"+auth+"Content-Length: 5\r\n\r\nhello\r\n")
+	if resp, body := readAnswer(t, br, http.MethodPost); resp.StatusCode != 200 || body != "POST hello" {
+		t.Fatalf("with credentials: %d %q", resp.StatusCode, body)
+	}
+	_, _ = io.WriteString(c, "GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\n"+auth+"\r\n")
+	if resp, body := readAnswer(t, br, http.MethodGet); resp.StatusCode != 200 || body != "GET " {
+		t.Errorf("after the CRLF: %d %q", resp.StatusCode, body)
+	}
+	_, _ = io.WriteString(c, "GET http://example.test/ HTTP/2.0\r\nHost: example.test\r\n"+auth+"\r\n")
+	if resp, _ := readAnswer(t, br, http.MethodGet); resp.StatusCode != http.StatusHTTPVersionNotSupported {
+		t.Errorf("HTTP/2.0 request line: %d, want 505", resp.StatusCode)
+	}
+	p.waitBalanced(t)
+}

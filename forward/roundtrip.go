@@ -224,15 +224,13 @@ type replayBody struct {
 	inflight atomic.Int32
 	bad      atomic.Bool // reading the client's body failed or stalled: the client's fault
 	cur      *bodyAttempt
-	j        *job     // whose response clock pauses while the client is waited for
-	client   net.Conn // the client's connection, whose reads idle bounds
-	idle     time.Duration
+	j        *job // whose response clock pauses while the client is waited for
 }
 
 // bodyAttempt is one attempt's view of the client's body. Its reads pause
 // the request's response clock: waiting for the client is not the
-// upstream's delay. A client that sends nothing for idle_timeout fails the
-// request.
+// upstream's delay. (A client that sends nothing for idle_timeout fails
+// the request: requestBody's bound.)
 type bodyAttempt struct {
 	rb   *replayBody
 	dead atomic.Bool
@@ -249,16 +247,7 @@ func (a *bodyAttempt) Read(p []byte) (int, error) {
 	}
 	clock := rb.j.clock
 	clock.pause()
-	if rb.client != nil {
-		_ = rb.client.SetReadDeadline(time.Now().Add(rb.idle))
-	}
 	n, err := rb.rc.Read(p)
-	if err == io.EOF && rb.client != nil {
-		// The body is through. (After a failure the deadline stays: the
-		// server's reads of the rest fail at once and it closes the
-		// connection instead of waiting on a stalled client.)
-		_ = rb.client.SetReadDeadline(time.Time{})
-	}
 	clock.resume()
 	rb.read.Add(int64(n))
 	if err != nil && err != io.EOF {
@@ -370,7 +359,7 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 	j := &job{key: key, plain: true, hedge: resendable(req), resendStale: idempotent(req.Method)}
 	var rb *replayBody
 	if req.Body != nil && req.Body != http.NoBody {
-		rb = &replayBody{rc: req.Body, j: j, idle: l.cfg.IdleTimeout, client: cc.Conn}
+		rb = &replayBody{rc: req.Body, j: j}
 		j.again = rb.again
 	}
 	j.do = func(ctx context.Context, up *pool.Upstream) tryResult { return l.plainAttempt(ctx, req, rb, up) }
