@@ -2,6 +2,7 @@ package forward
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -158,7 +159,7 @@ func (hc *httpConn) awaitHead(first bool) bool {
 	}
 	_ = cc.SetReadDeadline(time.Now().Add(wait))
 	if done := hc.watch.running(); done != nil {
-		<-done // the client's watch waits for the next head (clientWatch.start)
+		<-done // a started watch is the wait for the next head (clientWatch)
 	}
 	hc.lr.N = maxHeaderBytes
 	for {
@@ -187,7 +188,7 @@ func (hc *httpConn) awaitHead(first bool) bool {
 // headInBuffer reports whether br holds a whole request head.
 func headInBuffer(br *bufio.Reader) bool {
 	b, _ := br.Peek(br.Buffered())
-	return strings.Contains(string(b), "\n\r\n") || strings.Contains(string(b), "\n\n")
+	return bytes.Contains(b, []byte("\n\r\n")) || bytes.Contains(b, []byte("\n\n"))
 }
 
 // badHead is a request head that http.ReadRequest takes and net/http's
