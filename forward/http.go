@@ -145,7 +145,7 @@ func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream) {
 // either side, then relays in two goroutines the listener owns, and the last
 // of them to end closes both conns, releases the upstream and reports the
 // connection. The caller's goroutine returns at once, so that an idle tunnel
-// holds no handler stack or server buffers.
+// holds no handler stack or request buffers.
 func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, pending []byte) {
 	if !l.trackUpstream(upc) {
 		cc.setOutcome(OutcomeClientError)
@@ -165,7 +165,7 @@ func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, p
 		raw = pc.Conn
 	}
 	if len(pending) > 0 {
-		// Already counted when the server read them from the client.
+		// Already counted when they were read from the client.
 		if _, err := raw.Write(pending); err != nil {
 			done()
 			return

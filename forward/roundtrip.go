@@ -256,8 +256,8 @@ func (a *bodyAttempt) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// Close does not close the client's body: the server does, and a retry may
-// still need it.
+// Close does not close the client's body: it belongs to the connection,
+// and a retry may still need it.
 func (a *bodyAttempt) Close() error { return nil }
 
 // again ends the current attempt's view of the body and reports whether the
