@@ -13,19 +13,6 @@ import (
 	"github.com/proxyd/proxyd/pool"
 )
 
-// dialRaw opens a client connection to addr with a deadline for the whole
-// exchange.
-func dialRaw(t *testing.T, addr string) (net.Conn, *bufio.Reader) {
-	t.Helper()
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close() })
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-	return c, bufio.NewReader(c)
-}
-
 // readAnswer reads one answer to method and its whole body.
 func readAnswer(t *testing.T, br *bufio.Reader, method string) (*http.Response, string) {
 	t.Helper()

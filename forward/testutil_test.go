@@ -677,17 +677,24 @@ func (tl *testListener) httpClient(t testing.TB, user, pass string) *http.Client
 	return &http.Client{Transport: tr, Timeout: 20 * time.Second}
 }
 
-// rawConnect opens a CONNECT tunnel by hand and returns the conn after the 200.
-func rawConnect(t testing.TB, proxyAddr, target string, extra string) (net.Conn, *bufio.Reader, *http.Response) {
+// dialRaw opens a client connection to addr, closed when the test ends,
+// with a deadline for the whole exchange.
+func dialRaw(t testing.TB, addr string) (net.Conn, *bufio.Reader) {
 	t.Helper()
-	c, err := net.Dial("tcp", proxyAddr)
+	c, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	return c, bufio.NewReader(c)
+}
+
+// rawConnect opens a CONNECT tunnel by hand and returns the conn after the 200.
+func rawConnect(t testing.TB, proxyAddr, target string, extra string) (net.Conn, *bufio.Reader, *http.Response) {
+	t.Helper()
+	c, br := dialRaw(t, proxyAddr)
 	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n%s\r\n", target, target, extra)
-	br := bufio.NewReader(c)
 	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
 	if err != nil {
 		t.Fatalf("reading CONNECT answer: %v", err)
