@@ -160,7 +160,7 @@ func serveProxyHTTP(c *net.TCPConn, dial tunnelDialer, tr http.RoundTripper) {
 		}
 		d, early, err := dial(req.RequestURI)
 		if err != nil {
-			writeStatus(c, http.StatusBadGateway)
+			writeRawError(c, http.StatusBadGateway, "", "")
 			return
 		}
 		// What the client sent after its head belongs to the tunnel.
@@ -186,28 +186,17 @@ func forwardPlain(bw *bufio.Writer, req *http.Request, tr http.RoundTripper) boo
 	closeAfter := req.Close
 	req.RequestURI = ""
 	req.Close = false
-	dropHop(req.Header)
+	stripHop(req.Header, false)
 	resp, err := tr.RoundTrip(req)
 	if err != nil {
-		writeStatus(bw, http.StatusBadGateway)
+		writeRawError(bw, http.StatusBadGateway, "", "")
 		_ = bw.Flush()
 		return false
 	}
 	defer resp.Body.Close()
-	dropHop(resp.Header)
+	stripHop(resp.Header, false)
 	resp.Close = closeAfter
 	return resp.Write(bw) == nil && bw.Flush() == nil && !closeAfter
-}
-
-// dropHop removes the headers that concern one hop only (http.go's list).
-func dropHop(h http.Header) {
-	for _, k := range hopHeaders {
-		h.Del(k)
-	}
-}
-
-func writeStatus(w io.Writer, code int) {
-	_, _ = fmt.Fprintf(w, "HTTP/1.1 %d %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", code, http.StatusText(code))
 }
 
 // writeAll writes b unless it is empty: an empty write is still a system

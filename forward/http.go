@@ -247,13 +247,13 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 	l, cc := hc.l, hc.cc
 	if req.URL.Scheme != "http" {
 		cc.setOutcome(OutcomeClientError)
-		return hc.answerError(req, body, http.StatusBadRequest, textBadRequest, "")
+		return hc.answerError(req, body, http.StatusBadRequest, textBadRequest)
 	}
 	upc, up, retries, fail := l.openTunnel(hc.ctx, key, dest)
 	cc.retries.Add(int32(retries))
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
-		return hc.answerError(req, body, fail.status, fail.text, "")
+		return hc.answerError(req, body, fail.status, fail.text)
 	}
 	fail2 := func(o Outcome) {
 		_ = upc.Close()
@@ -268,13 +268,13 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 	defer stop()
 	if err := out.Write(upc); err != nil {
 		fail2(OutcomeUpstreamError)
-		return hc.answerError(req, body, http.StatusBadGateway, textBadGateway, "")
+		return hc.answerError(req, body, http.StatusBadGateway, textBadGateway)
 	}
 	br := bufio.NewReader(upc)
 	resp, err := http.ReadResponse(br, out)
 	if err != nil {
 		fail2(OutcomeUpstreamError)
-		return hc.answerError(req, body, http.StatusBadGateway, textBadGateway, "")
+		return hc.answerError(req, body, http.StatusBadGateway, textBadGateway)
 	}
 	if !stop() {
 		fail2(OutcomeClientError)

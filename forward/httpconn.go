@@ -125,7 +125,7 @@ func (l *Listener) serveHTTPConn(cc *clientConn) {
 // release gives the connection's buffers back and ends its context; the
 // connection itself is closed by whoever owns it last (a tunnel's relay).
 func (hc *httpConn) release() {
-	hc.watch.stopTimer()
+	hc.watch.end()
 	if done := hc.watch.running(); done != nil {
 		<-done // the connection is closed: its wait ends at once
 	}
@@ -150,7 +150,7 @@ func (hc *httpConn) release() {
 func (hc *httpConn) awaitHead(first bool) bool {
 	l, cc := hc.l, hc.cc
 	cc.idle.Store(true)
-	if !first && l.draining.Load() {
+	if !first && l.stopping.Load() {
 		return false
 	}
 	wait := l.cfg.IdleTimeout
@@ -240,23 +240,24 @@ func (hc *httpConn) servePlain(req *http.Request) bool {
 		hc.ctx, hc.cancel = context.WithCancelCause(l.ctx)
 		hc.watch.hc = hc
 	}
-	body := &requestBody{rc: req.Body, hc: hc}
-	if req.Body == http.NoBody || req.Body == nil {
-		body = nil
-	} else {
-		body.expect = req.ProtoAtLeast(1, 1) && httpguts.HeaderValuesContainsToken(req.Header["Expect"], "100-continue")
+	var body *requestBody
+	if req.Body != http.NoBody && req.Body != nil {
+		body = &requestBody{rc: req.Body, hc: hc,
+			expect: req.ProtoAtLeast(1, 1) && httpguts.HeaderValuesContainsToken(req.Header["Expect"], "100-continue")}
 		req.Body = body
 	}
 	key, ok := l.login(cc, req.Header)
 	if !ok {
-		return hc.answerError(req, body, http.StatusProxyAuthRequired, textAuth, "Proxy-Authenticate: "+challenge+"\r\n")
+		resp := errorResponse(req, http.StatusProxyAuthRequired, textAuth)
+		resp.Header["Proxy-Authenticate"] = []string{challenge}
+		return hc.writeAnswer(req, body, resp)
 	}
 	if req.URL.Scheme == "ws" && isUpgrade(req.Header) {
 		req.URL.Scheme = "http" // some WebSocket clients name the scheme of the upgrade
 	}
 	if !req.URL.IsAbs() || req.URL.Host == "" || (req.URL.Scheme != "http" && req.URL.Scheme != "https") {
 		cc.setOutcome(OutcomeClientError)
-		return hc.answerError(req, body, http.StatusBadRequest, textBadRequest, "")
+		return hc.answerError(req, body, http.StatusBadRequest, textBadRequest)
 	}
 	defPort := uint16(80)
 	if req.URL.Scheme == "https" {
@@ -269,7 +270,7 @@ func (hc *httpConn) servePlain(req *http.Request) bool {
 	if err != nil {
 		o, status, text := refusal(err)
 		cc.setOutcome(o)
-		return hc.answerError(req, body, status, text, "")
+		return hc.answerError(req, body, status, text)
 	}
 	// The absolute URI decides; a different Host header would let the
 	// origin see another target than the one checked.
@@ -287,13 +288,8 @@ func (hc *httpConn) servePlain(req *http.Request) bool {
 }
 
 // answerError answers req with a short text of proxyd's own.
-func (hc *httpConn) answerError(req *http.Request, body *requestBody, status int, text, header string) bool {
-	return hc.writeAnswer(req, body, &http.Response{
-		StatusCode:    status,
-		Header:        http.Header{"Content-Type": {"text/plain; charset=utf-8"}, "Content-Length": {strconv.Itoa(len(text))}},
-		Body:          io.NopCloser(strings.NewReader(text)),
-		ContentLength: int64(len(text)),
-	}, header)
+func (hc *httpConn) answerError(req *http.Request, body *requestBody, status int, text string) bool {
+	return hc.writeAnswer(req, body, errorResponse(req, status, text))
 }
 
 // writeAnswer writes resp to the client, framed for the client's HTTP
@@ -302,13 +298,13 @@ func (hc *httpConn) answerError(req *http.Request, body *requestBody, status int
 // shutting down, the answer's end is known to the client, and the
 // request's body was read to its end (what a client sends after a body it
 // was not asked for would be read as the next request).
-func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http.Response, header ...string) bool {
+func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http.Response) bool {
 	bw := hc.bw
 	if body != nil {
 		body.discardRest()
 		body.answered()
 	}
-	keep := !req.Close && !hc.l.draining.Load() && (body == nil || body.done())
+	keep := !req.Close && !hc.l.stopping.Load() && (body == nil || body.done())
 	status := resp.StatusCode
 	noBody := req.Method == http.MethodHead || status == http.StatusNoContent || status == http.StatusNotModified || status < 200
 	chunked := false
@@ -330,7 +326,7 @@ func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http
 		h["Date"] = []string{time.Now().UTC().Format(http.TimeFormat)}
 	}
 	_, _ = bw.WriteString("HTTP/1.1 ")
-	_, _ = bw.WriteString(strconv.Itoa(status))
+	_, _ = bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(status), 10))
 	_ = bw.WriteByte(' ')
 	if text := http.StatusText(status); text != "" {
 		_, _ = bw.WriteString(text)
@@ -352,9 +348,6 @@ func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http
 			}
 			_, _ = bw.WriteString("Trailer: " + strings.Join(names, ", ") + "\r\n")
 		}
-	}
-	for _, v := range header {
-		_, _ = bw.WriteString(v)
 	}
 	_ = h.Write(bw)
 	_, err := bw.WriteString("\r\n")
@@ -390,7 +383,6 @@ func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http
 	if err != nil || !keep {
 		// A broken answer leaves the client unable to tell where the next
 		// one starts; a closing one lets the client read it first.
-		_ = bw.Flush()
 		if body != nil && !body.done() {
 			hc.unread = true
 			lingerClose(hc.cc)
@@ -593,10 +585,4 @@ func (w *clientWatch) running() <-chan struct{} {
 	done := w.done
 	w.done = nil
 	return done
-}
-
-func (w *clientWatch) stopTimer() {
-	if w.timer != nil {
-		w.timer.Stop()
-	}
 }

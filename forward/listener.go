@@ -1,11 +1,11 @@
 // Package forward runs proxyd's local listeners: an HTTP proxy (plain
 // requests in absolute-URI form, CONNECT tunnels, WebSocket upgrades) and
 // a SOCKS5 server (CONNECT only). The HTTP listener serves each client
-// connection itself, request after request (httpconn.go). Each client connection is relayed through an upstream picked
-// from the pool by one attempt loop (attempt.go), with retries on other
-// upstreams before the first byte reaches the client and, for plain
-// requests that can be sent again, a hedge through one more upstream when
-// the answer is slow to come; each attempt's outcome is classified (the
+// connection itself, request after request (httpconn.go). Each client
+// connection is relayed through an upstream picked from the pool by one
+// attempt loop (attempt.go), with retries on other upstreams before the
+// first byte reaches the client and, for plain requests that can be sent
+// again, a hedge through one more upstream when the answer is slow to come; each attempt's outcome is classified (the
 // upstream's fault, the destination's, or nobody's) and reported to the
 // pool, and each connection's to an Observer.
 //
@@ -57,14 +57,15 @@ type Listener struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	mu        sync.Mutex
-	ln        net.Listener
-	conns     map[*clientConn]struct{}
-	upconns   map[net.Conn]struct{} // upstream sides of open tunnels
-	stopping  bool                  // Shutdown or Close began: accept no more
-	draining  atomic.Bool           // stopping, read without mu: serve no further request
-	closed    bool                  // Close: no new goroutines
-	wg        sync.WaitGroup        // goroutines started by spawn
+	mu      sync.Mutex
+	ln      net.Listener
+	conns   map[*clientConn]struct{}
+	upconns map[net.Conn]struct{} // upstream sides of open tunnels
+	// stopping: Shutdown or Close began (set under mu, read without it):
+	// accept no more, serve no further request on a kept connection.
+	stopping  atomic.Bool
+	closed    bool           // Close: no new goroutines
+	wg        sync.WaitGroup // goroutines started by spawn
 	active    atomic.Int64
 	fresh     atomic.Int64  // HTTP connections whose first request is not read yet
 	accepting chan struct{} // closed when Serve's accept loop ended; nil before Serve
@@ -130,7 +131,7 @@ func (l *Listener) ActiveConns() int { return int(l.active.Load()) }
 // Serve returns. A Listener serves one net.Listener.
 func (l *Listener) Serve(ln net.Listener) error {
 	l.mu.Lock()
-	if l.stopping { // shut down before it served: nothing to do
+	if l.stopping.Load() { // shut down before it served: nothing to do
 		l.mu.Unlock()
 		_ = ln.Close()
 		return nil
@@ -153,10 +154,7 @@ func (l *Listener) Serve(ln net.Listener) error {
 	} else {
 		err = l.serveConns(al, l.serveSOCKSConn)
 	}
-	l.mu.Lock()
-	stopping := l.stopping
-	l.mu.Unlock()
-	if stopping {
+	if l.stopping.Load() {
 		return nil
 	}
 	return fmt.Errorf("serving listener %q: %w", l.cfg.Name, err)
@@ -188,8 +186,7 @@ func (l *Listener) serveConns(al *acceptor, serve func(*clientConn)) error {
 // close connections.
 func (l *Listener) Shutdown(ctx context.Context) error {
 	l.mu.Lock()
-	l.stopping = true
-	l.draining.Store(true)
+	l.stopping.Store(true)
 	ln := l.ln
 	accepting := l.accepting
 	l.mu.Unlock()
@@ -200,7 +197,7 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 		l.awaitFirstRequests(ctx, accepting)
 	}
 	// HTTP connections between requests close; one serving a request
-	// closes after its answer (draining), a tunnel when it ends.
+	// closes after its answer (stopping), a tunnel when it ends.
 	err := pollUntil(ctx, 10*time.Millisecond, func() bool {
 		l.closeIdle()
 		return l.active.Load() == 0
@@ -272,8 +269,7 @@ func (l *Listener) unfresh(cc *clientConn) {
 // Close closes the listener and every connection at once.
 func (l *Listener) Close() error {
 	l.mu.Lock()
-	l.stopping = true
-	l.draining.Store(true)
+	l.stopping.Store(true)
 	ln := l.ln
 	l.mu.Unlock()
 	if ln != nil {
