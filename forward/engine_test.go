@@ -629,14 +629,7 @@ func TestClientUploadStall(t *testing.T) {
 		t.Errorf("stalled upload ended after %s, want about idle_timeout (500ms)", d)
 	}
 	_ = c.Close()
-	p.waitBalanced(t)
-	if f := failures(p); len(f) != 1 || f[0].res != pool.Canceled {
-		t.Errorf("reports %v, want one canceled (no verdict)", f)
-	}
-	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "closed")
-	if o := tl.obs.Closeds()[0].o; o != OutcomeClientError {
-		t.Errorf("outcome %s, want client_error", o)
-	}
+	tl.wantClientLeft(t, p)
 }
 
 // TestSilentUpstreamBlamed: a request that cannot be hedged (it has a body)

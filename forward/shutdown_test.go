@@ -2,7 +2,6 @@ package forward
 
 import (
 	"bufio"
-	"context"
 	"fmt"
 	"io"
 	"net"
@@ -27,17 +26,8 @@ func TestShutdownServesJustAcceptedConnection(t *testing.T) {
 		defer c.Close()
 		waitFor(t, 5*time.Second, func() bool { return tl.fresh.Load() == 1 }, "the connection registered as fresh")
 
-		done := make(chan error, 1)
-		go func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			defer cancel()
-			done <- tl.Shutdown(ctx)
-		}()
-		waitFor(t, 5*time.Second, func() bool {
-			tl.mu.Lock()
-			defer tl.mu.Unlock()
-			return tl.stopping
-		}, "Shutdown to begin")
+		done := tl.shutdownAsync()
+		waitFor(t, 5*time.Second, tl.stopping.Load, "Shutdown to begin")
 
 		c.SetDeadline(time.Now().Add(5 * time.Second))
 		fmt.Fprintf(c, "GET http://%s/ HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n", origin, origin)

@@ -665,6 +665,33 @@ func startListener(t *testing.T, cfg Config, p Pool) *testListener {
 	return &testListener{Listener: l, addr: ln.Addr().String(), obs: obs}
 }
 
+// shutdownAsync runs Shutdown with a 5 s deadline in a goroutine and
+// delivers its result.
+func (tl *testListener) shutdownAsync() <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		done <- tl.Shutdown(ctx)
+	}()
+	return done
+}
+
+// wantClientLeft checks what a client that left mid-request leaves behind:
+// one attempt reported canceled (no verdict on the upstream), and the
+// connection counted as the client's failure.
+func (tl *testListener) wantClientLeft(t *testing.T, p *fakePool) {
+	t.Helper()
+	p.waitBalanced(t)
+	if got := p.Reports(); len(got) != 1 || got[0].res != pool.Canceled {
+		t.Errorf("reports %+v, want one canceled (no verdict)", got)
+	}
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection reported")
+	if o := tl.obs.Closeds()[0].o; o != OutcomeClientError {
+		t.Errorf("outcome %s, want client_error", o)
+	}
+}
+
 // httpClient is a net/http client using the listener as its proxy.
 func (tl *testListener) httpClient(t testing.TB, user, pass string) *http.Client {
 	t.Helper()
