@@ -184,3 +184,41 @@ func tcpPair(t *testing.T) (dialed, accepted net.Conn) {
 	t.Cleanup(func() { _ = accepted.Close() })
 	return dialed, accepted
 }
+
+// TCP urgent data in a tunnel does not stall its direction: a splice stops
+// at the urgent mark and moves nothing, and the pump then reads past it.
+// The urgent byte itself is dropped, as by any relay that reads (no
+// SO_OOBINLINE); the bytes around it arrive, and so does the EOF.
+func TestRelayUrgentData(t *testing.T) {
+	checkLeaks(t)
+	origin, src := tcpPair(t)
+	dst, client := tcpPair(t)
+	rc, err := origin.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var serr error
+	// The last byte of a MSG_OOB send is the urgent one.
+	if err := rc.Control(func(fd uintptr) { serr = syscall.Sendto(int(fd), []byte("abcX"), syscall.MSG_OOB, nil) }); err != nil || serr != nil {
+		t.Fatalf("sending urgent data: %v %v", err, serr)
+	}
+	if _, err := origin.Write([]byte("def")); err != nil {
+		t.Fatal(err)
+	}
+	_ = origin.(*net.TCPConn).CloseWrite()
+
+	tu := &tunnel{idle: time.Minute, a: dst, b: src}
+	tu.remaining.Store(2)
+	pumped := make(chan int64, 1)
+	go func() { pumped <- tu.pump(dst, src) }()
+	defer func() {
+		tu.closeBoth() // ends a pump stuck at the mark
+		<-pumped
+	}()
+
+	_ = client.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(client)
+	if err != nil || string(got) != "abcdef" {
+		t.Fatalf("client got %q, %v; want \"abcdef\" and EOF", got, err)
+	}
+}

@@ -50,6 +50,12 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 		}
 		w.lr.N = int64(w.queued)
 		m, err := copyQueued(dst, &w.lr)
+		if m == 0 && err == nil {
+			// A splice stops at TCP urgent data and moves nothing, while
+			// the queue still counts the bytes behind it; a read steps
+			// over the urgent byte, as it does for any relay that reads.
+			m, err = copyBuffered(dst, &w.lr)
+		}
 		n += m
 		t.touch()
 		if err != nil {
@@ -60,11 +66,17 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 }
 
 // copyQueued copies what lr allows: by splicing when dst is TCP, else
-// through a pooled buffer (io.Copy would allocate one per call).
+// through a pooled buffer.
 func copyQueued(dst net.Conn, lr *io.LimitedReader) (int64, error) {
 	if d, ok := dst.(*net.TCPConn); ok {
 		return d.ReadFrom(lr)
 	}
+	return copyBuffered(dst, lr)
+}
+
+// copyBuffered copies what lr allows through a pooled buffer (io.Copy
+// would allocate one per call, or splice).
+func copyBuffered(dst net.Conn, lr *io.LimitedReader) (int64, error) {
 	bp := copyBufs.Get().(*[]byte)
 	defer copyBufs.Put(bp)
 	return io.CopyBuffer(struct{ io.Writer }{dst}, lr, *bp)
