@@ -1,13 +1,11 @@
 package forward
 
 import (
-	"errors"
 	"io"
 	"net"
+	"os"
 	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // On Linux, io.Copy between two *net.TCPConn splices: the bytes go from one
@@ -87,35 +85,33 @@ func copyBuffered(dst net.Conn, lr *io.LimitedReader) (int64, error) {
 // so that a turn allocates nothing.
 type queueWait struct {
 	fn     func(fd uintptr) bool
-	peek   [1]byte
 	queued int // bytes waiting; 0 with err nil: EOF
 	err    error
 	lr     io.LimitedReader
 }
 
+// peekAll is the most a check counts in one turn; more waits for the next.
+const peekAll = 1 << 30
+
 // check reports whether src has something for the direction: bytes queued,
-// an EOF or an error. SIOCINQ counts the queued bytes; only when it says
-// none does a one-byte peek tell EOF and errors from "nothing yet".
+// an EOF or an error. One recv with MSG_PEEK|MSG_TRUNC tells all three: on
+// TCP, MSG_TRUNC counts the bytes it would copy without copying them, and
+// MSG_PEEK leaves them queued, so it returns the queued count, 0 at EOF, or
+// EAGAIN when there is nothing yet. (Before, SIOCINQ counted and a one-byte
+// peek told EOF from "nothing yet": two system calls where one does.)
 func (w *queueWait) check(fd uintptr) bool {
-	if q, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil && q > 0 {
-		w.queued = q
-		return true
-	}
 	for {
-		// syscall's Recvfrom, not x/sys/unix's: the latter allocates the
-		// sender's address at every call (5 of a tunnel's allocations).
-		n, _, err := syscall.Recvfrom(int(fd), w.peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		switch {
-		case errors.Is(err, syscall.EINTR):
+		n, _, errno := syscall.Syscall6(syscall.SYS_RECVFROM, fd, 0, peekAll,
+			syscall.MSG_PEEK|syscall.MSG_TRUNC|syscall.MSG_DONTWAIT, 0, 0)
+		switch errno {
+		case 0:
+			w.queued = int(n)
+		case syscall.EINTR:
 			continue
-		case errors.Is(err, syscall.EAGAIN):
+		case syscall.EAGAIN:
 			return false
-		case err != nil:
-			w.err = &net.OpError{Op: "read", Net: "tcp", Err: err}
-		case n > 0:
-			// SIOCINQ said nothing (urgent data, or a race): move at least
-			// the byte seen.
-			w.queued = 1
+		default:
+			w.err = &net.OpError{Op: "read", Net: "tcp", Err: os.NewSyscallError("recvfrom", errno)}
 		}
 		return true
 	}
