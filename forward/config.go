@@ -106,8 +106,9 @@ type Config struct {
 	// SOCKS5 handshake. 0 is refused.
 	HandshakeTimeout time.Duration `toml:"handshake_timeout"`
 	// IdleTimeout ends a tunnel with no traffic either way, a kept-alive
-	// client connection between requests, and a client that stalls while
-	// sending a request body. 0 is refused.
+	// client connection between requests, a client that stalls while
+	// sending a request body, and one that stops reading its answer. 0 is
+	// refused.
 	IdleTimeout time.Duration `toml:"idle_timeout"`
 	// Retries is how many more upstreams are tried after one failed before
 	// any byte reached the client. 0: no retry. Negative is refused.

@@ -129,7 +129,6 @@ func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Reques
 		l.abandon(cc, upc, up)
 		return
 	}
-	_ = cc.SetWriteDeadline(time.Time{})
 	cc.setOutcome(OutcomeOK)
 	l.startRelay(cc, upc, up, pending)
 }
@@ -145,7 +144,10 @@ func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream) {
 // either side, then relays in two goroutines the listener owns, and the last
 // of them to end closes both conns, releases the upstream and reports the
 // connection. The caller's goroutine returns at once, so that an idle tunnel
-// holds no handler stack or request buffers.
+// holds no handler stack or request buffers. The write deadline the
+// caller's answer was bounded by still bounds the first of those bytes;
+// the relay's writes then have none (an idle direction's read deadline
+// ends a tunnel whose client stops reading).
 func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, pending []byte) {
 	if !l.trackUpstream(upc) {
 		cc.setOutcome(OutcomeClientError)
@@ -171,6 +173,7 @@ func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, p
 			return
 		}
 	}
+	_ = cc.SetWriteDeadline(time.Time{})
 	l.relay(cc, raw, done)
 }
 
@@ -296,6 +299,7 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 	}
 	stripHop(resp.Header, true)
 	resp.Body = nil
+	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if err := resp.Write(cc); err != nil {
 		cc.setOutcome(OutcomeClientError)
 		l.abandon(cc, upc, up)

@@ -42,11 +42,12 @@ import (
 
 // httpConn is one client connection of the HTTP listener.
 type httpConn struct {
-	l  *Listener
-	cc *clientConn
-	lr io.LimitedReader // bounds a request head (maxHeaderBytes); a body reads freely
-	br *bufio.Reader
-	bw *bufio.Writer
+	l   *Listener
+	cc  *clientConn
+	lr  io.LimitedReader // bounds a request head (maxHeaderBytes); a body reads freely
+	br  *bufio.Reader
+	bw  *bufio.Writer // writes through out
+	out answerOut
 	// ctx is what the connection's plain requests run under: it ends when
 	// the client hangs up (clientWatch) or the listener closes. Made at the
 	// first plain request.
@@ -57,6 +58,23 @@ type httpConn struct {
 	// unread: a request body was left unread, and an attempt's goroutine
 	// may still read it through br, which then does not go back to the pool.
 	unread bool
+}
+
+// answerOut is where answers to a client are written: each write is
+// bounded by idle_timeout, so that a client that stops reading its answer
+// ends it, as one that stalls its upload does, and is the client's failure.
+type answerOut struct {
+	d       idleDeadline
+	stalled bool // a write ran into the deadline
+}
+
+func (o *answerOut) Write(p []byte) (int, error) {
+	o.d.arm()
+	n, err := o.d.conn.Write(p)
+	if err != nil && isTimeout(err) {
+		o.stalled = true
+	}
+	return n, err
 }
 
 // errClientLeft: the client hung up while its answer was awaited.
@@ -234,8 +252,9 @@ func checkHead(req *http.Request) error {
 func (hc *httpConn) servePlain(req *http.Request) bool {
 	l, cc := hc.l, hc.cc
 	if hc.bw == nil {
+		hc.out.d = idleDeadline{conn: cc, idle: l.cfg.IdleTimeout, write: true}
 		hc.bw = answerWriters.Get().(*bufio.Writer)
-		hc.bw.Reset(cc)
+		hc.bw.Reset(&hc.out)
 		hc.flush = func() { _ = hc.bw.Flush() }
 		hc.ctx, hc.cancel = context.WithCancelCause(l.ctx)
 		hc.watch.hc = hc
@@ -380,6 +399,9 @@ func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http
 		err = bw.Flush()
 	}
 	hc.watch.end()
+	if hc.out.stalled {
+		hc.cc.setOutcome(OutcomeClientError)
+	}
 	if err != nil || !keep {
 		// A broken answer leaves the client unable to tell where the next
 		// one starts; a closing one lets the client read it first.

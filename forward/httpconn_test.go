@@ -252,3 +252,86 @@ func TestPlainConnectionAfterBody(t *testing.T) {
 	}
 	p.waitBalanced(t)
 }
+
+// A client that stops reading its answer ends it after idle_timeout, as one
+// that stalls its upload does: the connection closes as the client's
+// failure and the upstream connection is given back.
+func TestPlainClientStopsReading(t *testing.T) {
+	checkLeaks(t)
+	chunk := make([]byte, 64<<10)
+	su := startScripted(t, func(_ int64, _ *http.Request, c net.Conn) (string, bool) {
+		// An endless answer: it ends when proxyd closes this connection.
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\n")
+		for {
+			if _, err := c.Write(chunk); err != nil {
+				return "", true
+			}
+		}
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.IdleTimeout = 500 * time.Millisecond
+	}), p)
+	c, _ := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://example.test/big HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	// The client reads nothing from here on.
+	waitFor(t, 10*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection ended")
+	if o := tl.obs.Closeds()[0].o; o != OutcomeClientError {
+		t.Errorf("outcome %s, want client_error", o)
+	}
+	p.waitBalanced(t)
+}
+
+// A tunnel after an answer on the same connection (an upgrade) is not cut
+// by the deadlines that bounded the answers' writes (idle_timeout for the
+// plain answer, header_timeout for the 101): bytes keep moving both ways
+// for longer than either.
+func TestUpgradeOutlivesAnswerDeadline(t *testing.T) {
+	checkLeaks(t)
+	origin := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for {
+			req, err := http.ReadRequest(br)
+			if err != nil {
+				return
+			}
+			if req.Header.Get("Upgrade") == "" {
+				_, _ = io.WriteString(c, okAnswer("ok"))
+				continue
+			}
+			_, _ = io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+			_, _ = plainCopy(c, br)
+			return
+		}
+	})
+	u := newHTTPUpstream(t, "", "", nil)
+	const idle = 400 * time.Millisecond
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.IdleTimeout = idle
+		c.HeaderTimeout = idle / 2
+	}), newFakePool(u.upstream(1)))
+	c, br := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://"+origin+"/ HTTP/1.1\r\nHost: "+origin+"\r\n\r\n")
+	if resp, body := readAnswer(t, br, http.MethodGet); resp.StatusCode != http.StatusOK || body != "ok" {
+		t.Fatalf("plain answer: %d %q", resp.StatusCode, body)
+	}
+	_, _ = io.WriteString(c, "GET http://"+origin+"/up HTTP/1.1\r\nHost: "+origin+"\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+	if resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodGet}); err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("upgrade: %v %v", resp, err)
+	}
+	buf := make([]byte, 4)
+	start := time.Now()
+	for time.Since(start) < 3*idle {
+		if _, err := io.WriteString(c, "ping"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(br, buf); err != nil || string(buf) != "ping" {
+			t.Fatalf("echo after %s of tunnel: %q %v", time.Since(start), buf, err)
+		}
+		time.Sleep(idle / 8) // the pace of the traffic, not a wait for a condition
+	}
+	_ = c.Close()
+	waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "the tunnel closed")
+}

@@ -75,18 +75,24 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 	return t.pumpBuffered(dst, src)
 }
 
-// readDeadline keeps a direction's read deadline IdleTimeout ahead, moving
-// it at most once a second: each move is a timer update, and bulk
-// directions come back here many times a second.
-type readDeadline struct {
-	conn net.Conn
-	idle time.Duration
-	last time.Time // when it was last moved
+// idleDeadline keeps a connection's read deadline (or, with write, its
+// write deadline) IdleTimeout ahead, moving it at most once a second: each
+// move is a timer update, and bulk transfers come back here many times a
+// second.
+type idleDeadline struct {
+	conn  net.Conn
+	idle  time.Duration
+	write bool
+	last  time.Time // when it was last moved
 }
 
-func (d *readDeadline) arm() {
+func (d *idleDeadline) arm() {
 	if now := time.Now(); now.Sub(d.last) > time.Second {
-		_ = d.conn.SetReadDeadline(now.Add(d.idle))
+		if d.write {
+			_ = d.conn.SetWriteDeadline(now.Add(d.idle))
+		} else {
+			_ = d.conn.SetReadDeadline(now.Add(d.idle))
+		}
 		d.last = now
 	}
 }
@@ -112,7 +118,7 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 	bp := copyBufs.Get().(*[]byte)
 	defer copyBufs.Put(bp)
 	buf := *bp
-	deadline := readDeadline{conn: src, idle: t.idle}
+	deadline := idleDeadline{conn: src, idle: t.idle}
 	for {
 		deadline.arm()
 		r, err := src.Read(buf)

@@ -76,7 +76,6 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 		l.abandon(cc, upc, up)
 		return
 	}
-	_ = cc.SetWriteDeadline(time.Time{})
 	cc.setOutcome(OutcomeOK)
 	var pending []byte
 	if n := br.Buffered(); n > 0 {

@@ -25,7 +25,7 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 	}
 	w := &queueWait{lr: io.LimitedReader{R: src}}
 	w.fn = w.check
-	deadline := readDeadline{conn: src, idle: t.idle}
+	deadline := idleDeadline{conn: src, idle: t.idle}
 	var n int64
 	for {
 		deadline.arm()
