@@ -75,6 +75,10 @@ const (
 	// and the destination closed it, reset it or sent no valid answer head:
 	// the upstream only carried the bytes.
 	wDestinationGone
+	// wBudget: a tunnel's attempts ran out of retry_timeout while this one
+	// was still within its own bound (dial_timeout, handshake_timeout): the
+	// upstream had less time than it is given, so nobody is blamed.
+	wBudget
 	numWhat
 )
 
@@ -147,7 +151,7 @@ func classify(h happened) pool.Result {
 	case wSOCKSAddress, wTLS, wResponseTimeout, wDestinationGone:
 		return pool.DestinationError
 	}
-	return pool.Canceled // wCalledOff, wClientGone, wStale, wLocal: no verdict
+	return pool.Canceled // wCalledOff, wClientGone, wStale, wLocal, wBudget: no verdict
 }
 
 // answer is what a client is told when no attempt succeeded, and how its

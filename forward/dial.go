@@ -43,24 +43,37 @@ func newDialer(cfg Config) *dialer {
 
 // dialTCP connects to the upstream's address and says what went wrong.
 func (d *dialer) dialTCP(ctx context.Context, u *pool.Upstream) (net.Conn, *attemptError) {
+	own := time.Now().Add(d.dialTimeout)
 	c, err := d.net.DialContext(ctx, "tcp", u.Address)
 	if err != nil {
-		return nil, classifyDial(ctx, err)
+		return nil, classifyDial(ctx, err, own)
 	}
 	return c, nil
 }
 
-func classifyDial(ctx context.Context, err error) *attemptError {
+// classifyDial says what a failed dial was; own is when the dial's own
+// bound (dial_timeout) would have ended it.
+func classifyDial(ctx context.Context, err error, own time.Time) *attemptError {
 	w := wDialRefused
 	switch {
 	case ctx.Err() != nil && !upstreamTimeout(ctx):
 		w = wClientGone
 	case localShortage(err):
 		w = wLocal
+	case cutByBudget(ctx, own):
+		w = wBudget
 	case isTimeout(err) || ctx.Err() != nil:
 		w = wDialTimeout
 	}
 	return failed(w, fmt.Errorf("dialing upstream: %w", err))
+}
+
+// cutByBudget reports whether ctx's deadline (a tunnel's retry_timeout)
+// has passed and came before own, the attempt's own bound: an attempt that
+// timed out then was cut short, and says nothing about its upstream.
+func cutByBudget(ctx context.Context, own time.Time) bool {
+	dl, ok := ctx.Deadline()
+	return ok && dl.Before(own) && !time.Now().Before(dl)
 }
 
 // upstreamTimeout reports whether ctx ended because a tunnel's attempts
@@ -92,7 +105,8 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 	if derr != nil {
 		return nil, derr
 	}
-	deadline := time.Now().Add(d.handshakeTimeout)
+	own := time.Now().Add(d.handshakeTimeout)
+	deadline := own
 	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
 		deadline = dl
 	}
@@ -114,8 +128,10 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 	if ctx.Err() != nil && !upstreamTimeout(ctx) {
 		return nil, failed(wClientGone, context.Cause(ctx))
 	}
-	if derr == nil { // the budget ran out just as the answer came
-		derr = failed(wNoAnswer, errAttemptTimeout)
+	if derr == nil || isTimeout(derr.err) && cutByBudget(ctx, own) {
+		// The budget ran out before handshake_timeout did (or just as the
+		// answer came).
+		derr = failed(wBudget, errAttemptTimeout)
 	}
 	return nil, derr
 }

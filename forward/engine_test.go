@@ -70,6 +70,7 @@ func TestClassify(t *testing.T) {
 		{"kept connection closed under the request", happened{what: wStale}, pool.Canceled, upErr, 502, socks5.ReplyGeneralFailure},
 		{"out of file descriptors here", happened{what: wLocal}, pool.Canceled, upErr, 503, socks5.ReplyGeneralFailure},
 		{"destination closed the open tunnel", happened{what: wDestinationGone}, pool.DestinationError, destErr, 502, socks5.ReplyHostUnreachable},
+		{"cut by retry_timeout within its own bound", happened{what: wBudget}, pool.Canceled, upErr, 502, socks5.ReplyGeneralFailure},
 	} {
 		res := classify(tc.h)
 		if res != tc.res {
@@ -92,7 +93,7 @@ func TestClassify(t *testing.T) {
 		seen[w] = false
 	}
 	for _, w := range []what{wAnswered, wDialRefused, wDialTimeout, wNoAnswer, wProxyAnswer, wSOCKSReply, wSOCKSAuth,
-		wSOCKSAddress, wTLS, wResponseTimeout, wSilent, wOutrun, wCalledOff, wClientGone, wStale, wLocal, wDestinationGone} {
+		wSOCKSAddress, wTLS, wResponseTimeout, wSilent, wOutrun, wCalledOff, wClientGone, wStale, wLocal, wDestinationGone, wBudget} {
 		seen[w] = true
 	}
 	for w, ok := range seen {

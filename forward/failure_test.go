@@ -382,3 +382,55 @@ func TestSOCKSUnsupportedCommands(t *testing.T) {
 		_ = c.Close()
 	}
 }
+
+// An upstream whose handshake is cut by retry_timeout before its own
+// handshake_timeout ran had less time than it is given: nobody is blamed.
+// One that stays silent for the whole handshake_timeout is blamed.
+func TestRetryBudgetCutIsNoVerdict(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	for _, tc := range []struct {
+		name             string
+		handshake, retry time.Duration
+		want             pool.Result
+	}{
+		{"budget first", 5 * time.Second, 300 * time.Millisecond, pool.Canceled},
+		{"handshake_timeout first", 300 * time.Millisecond, 5 * time.Second, pool.HandshakeTimeout},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hang := newHTTPUpstream(t, "", "", nil)
+			hang.mode.Store(int32(modeHang))
+			p := newFakePool(hang.upstream(1))
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.AllowDestinations = loopbackAllowed
+				c.HandshakeTimeout = tc.handshake
+				c.RetryTimeout = tc.retry
+			}), p)
+			start := time.Now()
+			_, _, resp := rawConnect(t, tl.addr, origin, "")
+			if resp.StatusCode != http.StatusBadGateway || time.Since(start) > 3*time.Second {
+				t.Errorf("CONNECT: %d after %s, want 502 within 3s", resp.StatusCode, time.Since(start))
+			}
+			p.waitBalanced(t)
+			if r := p.Reports(); len(r) != 1 || r[0].res != tc.want {
+				t.Errorf("reports %+v, want one %s", r, tc.want)
+			}
+		})
+	}
+}
+
+// A dial cut by retry_timeout before dial_timeout is no verdict either; one
+// that ran out its own dial_timeout is the upstream's.
+func TestClassifyDialUnderBudget(t *testing.T) {
+	budget := time.Now().Add(-time.Millisecond) // ran out just now
+	ctx, cancel := context.WithDeadlineCause(context.Background(), budget, errAttemptTimeout)
+	defer cancel()
+	<-ctx.Done()
+	err := fmt.Errorf("dial tcp: %w", context.DeadlineExceeded)
+	if got := classifyDial(ctx, err, budget.Add(time.Second)).h.what; got != wBudget {
+		t.Errorf("cut before dial_timeout: %d, want wBudget", got)
+	}
+	if got := classifyDial(ctx, err, budget.Add(-time.Second)).h.what; got != wDialTimeout {
+		t.Errorf("dial_timeout first: %d, want wDialTimeout", got)
+	}
+}
