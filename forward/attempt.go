@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/proxyd/proxyd/forward/socks5"
@@ -251,7 +252,8 @@ type tryResult struct {
 	// took is how long the attempt took (dial and handshake when it dialed).
 	took   time.Duration
 	dialed bool // a new upstream connection was opened and answered
-	// sent: the request may have reached the destination.
+	// sent: the request may have reached the destination; otherwise the
+	// send its latest write took is given back (job.unsend).
 	sent bool
 }
 
@@ -288,7 +290,31 @@ type job struct {
 	// resendStale: the job may go out again after a kept connection closed
 	// under it (an idempotent request).
 	resendStale bool
+	// sends counts the times the job went out to a destination (send).
+	sends atomic.Int32
 }
+
+// maxSends: a destination receives one request at most twice, retries,
+// the hedge and a resend over a replaced kept connection counted together.
+const maxSends = 2
+
+// send takes one of the job's sends just before it goes out; false when
+// they are used up, and it must not go out.
+func (j *job) send() bool {
+	for {
+		n := j.sends.Load()
+		if n >= maxSends {
+			return false
+		}
+		if j.sends.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
+}
+
+// unsend gives back a send whose request cannot have reached the
+// destination (refused by the upstream itself, or never written).
+func (j *job) unsend() { j.sends.Add(-1) }
 
 // try is one attempt in flight.
 type try struct {
@@ -328,7 +354,7 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 	lp := &loop{l: l, j: j, base: ctx, req: pool.Request{Listener: l.cfg.Name, Key: j.key}}
 	start := time.Now()
 	a = answerNoUpstream
-	var sends, attempts int
+	var attempts int
 	for !lp.over() {
 		up, err := l.pool.Pick(ctx, lp.req)
 		if err != nil || up == nil {
@@ -347,7 +373,7 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			timer  *time.Timer
 			hedged chan struct{} // closed when the hedge timer's work is over
 		)
-		if j.hedge && sends == 0 && l.cfg.HedgeDelay > 0 && hedgeable(up, j.key) {
+		if j.hedge && j.sends.Load() == 0 && l.cfg.HedgeDelay > 0 && hedgeable(up, j.key) {
 			hedged = make(chan struct{})
 			timer = time.AfterFunc(l.cfg.HedgeDelay, func() { lp.sendHedge(t, hedged) })
 		}
@@ -376,9 +402,6 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 		decisive := t
 		again := true
 		for _, f := range round {
-			if f.res.sent {
-				sends++
-			}
 			if f.result != pool.Canceled {
 				decisive = f
 			}
@@ -391,7 +414,7 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			lp.req.Avoid = append(lp.req.Avoid, f.up.ID())
 		}
 		a = answerFor(decisive.res.h, decisive.result)
-		if !again || attempts > l.cfg.Retries || sends >= 2 || time.Since(start) >= l.cfg.RetryTimeout ||
+		if !again || attempts > l.cfg.Retries || j.sends.Load() >= maxSends || time.Since(start) >= l.cfg.RetryTimeout ||
 			(j.again != nil && !j.again()) {
 			return nil, a, retries
 		}
@@ -452,7 +475,7 @@ func (lp *loop) begin(up *pool.Upstream, hedge bool) *try {
 func (lp *loop) sendHedge(first *try, done chan struct{}) {
 	l := lp.l
 	lp.mu.Lock()
-	over := lp.winner != nil || lp.expired || first.ctx.Err() != nil
+	over := lp.winner != nil || lp.expired || first.ctx.Err() != nil || lp.j.sends.Load() >= maxSends
 	req := lp.req
 	lp.mu.Unlock()
 	if over {

@@ -94,7 +94,8 @@ type plainConn struct {
 
 // roundTrip sends req (whose header is ready for the upstream) and returns
 // the answer's head; its body gives the connection back when read to the
-// end and closed. Dial failures are recorded in ctx's attemptInfo.
+// end and closed. Dial failures are recorded in ctx's attemptInfo, and each
+// write takes one of its job's sends (takeSend).
 func (pcs *plainConns) roundTrip(ctx context.Context, u *pool.Upstream, req *http.Request) (*http.Response, error) {
 	host, port, err := splitHostPort(req.URL.Host, 80)
 	if err != nil {
@@ -104,17 +105,34 @@ func (pcs *plainConns) roundTrip(ctx context.Context, u *pool.Upstream, req *htt
 	if u.Protocol == pool.SOCKS5 {
 		key += "\x00" + net.JoinHostPort(host, strconv.Itoa(int(port)))
 	}
+	// A request that went out on a kept connection the upstream had closed
+	// goes once more, when it may (replayable, and within the job's sends),
+	// over a new connection: another kept one may have been closed alike.
+	var stale error
 	for {
-		pc := pcs.get(key)
+		var pc *plainConn
+		if stale == nil {
+			pc = pcs.get(key)
+		} else {
+			newTurn(ctx)
+		}
 		reused := pc != nil
 		if !reused {
 			if pc, err = pcs.dial(ctx, u, key, socks5.Addr{Host: host, Port: port}); err != nil {
 				return nil, err
 			}
 		}
+		if !takeSend(ctx) {
+			pcs.put(pc)
+			if stale != nil {
+				return nil, stale
+			}
+			return nil, errSendsUsed
+		}
 		resp, err := pc.roundTrip(ctx, req, u.Protocol != pool.SOCKS5, reused)
-		if errors.Is(err, errStaleConn) && replayable(req) && ctx.Err() == nil {
-			continue // each turn takes a kept connection out; then it dials
+		if stale == nil && errors.Is(err, errStaleConn) && replayable(req) && ctx.Err() == nil {
+			stale = err
+			continue
 		}
 		return resp, err
 	}

@@ -711,3 +711,145 @@ func TestPlainIdleTimerCountsFromLastUse(t *testing.T) {
 		}
 	}
 }
+
+// However many kept connections the upstream closed under it, a request
+// goes out at most twice (maxSends): once on a kept connection that turns
+// out closed, once more on a new one.
+func TestPlainStaleResendOnce(t *testing.T) {
+	checkLeaks(t)
+	const kept = 3
+	var (
+		mu     sync.Mutex
+		served = map[net.Conn]bool{}
+		dying  atomic.Bool
+		gets   atomic.Int64
+	)
+	release := make(chan struct{})
+	var arrived sync.WaitGroup
+	arrived.Add(kept)
+	su := startScripted(t, func(n int64, req *http.Request, c net.Conn) (string, bool) {
+		if n <= kept { // the first ones wait for each other: kept connections
+			arrived.Done()
+			<-release
+			mu.Lock()
+			served[c] = true
+			mu.Unlock()
+			return okAnswer("first"), false
+		}
+		gets.Add(1)
+		mu.Lock()
+		again := served[c]
+		mu.Unlock()
+		if dying.Load() && again {
+			return "", true // took the request on a kept connection, closed it
+		}
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	errs := make(chan error, kept)
+	for range kept {
+		go func() {
+			resp, err := tl.httpClient(t, "", "").Get("http://example.test/")
+			if err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				err = resp.Body.Close()
+			}
+			errs <- err
+		}()
+	}
+	arrived.Wait()
+	close(release)
+	for range kept {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, 5*time.Second, func() bool {
+		tl.plain.mu.Lock()
+		defer tl.plain.mu.Unlock()
+		return tl.plain.n == kept
+	}, "three kept connections")
+	dying.Store(true)
+	code, body := getBody(t, tl.httpClient(t, "", ""), "http://example.test/x")
+	if n := gets.Load(); n > maxSends {
+		t.Errorf("upstream received the request %d times, want at most %d", n, maxSends)
+	}
+	if code != http.StatusOK || body != "fine" {
+		t.Errorf("answer %d %q, want 200 from a new connection", code, body)
+	}
+	if f := failures(p); len(f) != 0 {
+		t.Errorf("failures reported: %v", f)
+	}
+	p.waitBalanced(t)
+}
+
+// A hedge and a resend over a new connection share the request's two
+// sends: a kept connection that dies under the request after the hedge
+// went out is not resent, and the hedge's answer wins.
+func TestPlainStaleAfterHedgeNotResent(t *testing.T) {
+	checkLeaks(t)
+	var xs atomic.Int64
+	script := func(name string, x func(c net.Conn, again bool) (string, bool)) *scriptedUpstream {
+		var mu sync.Mutex
+		served := map[net.Conn]bool{}
+		return startScripted(t, func(_ int64, req *http.Request, c net.Conn) (string, bool) {
+			mu.Lock()
+			again := served[c]
+			served[c] = true
+			mu.Unlock()
+			if req.URL.Path != "/x" {
+				return okAnswer(name), false
+			}
+			xs.Add(1)
+			return x(c, again)
+		})
+	}
+	hedgeDelay := 100 * time.Millisecond
+	hedgeIn, aDied := make(chan struct{}), make(chan struct{})
+	var hedgeOnce, diedOnce sync.Once
+	wait := func(ch chan struct{}) {
+		select {
+		case <-ch:
+		case <-time.After(5 * time.Second):
+		}
+	}
+	a := script("a", func(c net.Conn, again bool) (string, bool) {
+		if again { // the kept connection: dies once the hedge is out
+			wait(hedgeIn)
+			diedOnce.Do(func() { close(aDied) })
+			return "", true
+		}
+		return okAnswer("a"), false // a new connection (a resend) would answer
+	})
+	b := script("b", func(net.Conn, bool) (string, bool) {
+		hedgeOnce.Do(func() { close(hedgeIn) })
+		wait(aDied)
+		// Time for a resend to a, had there been one, to get its answer
+		// first: the pace of this upstream, not a wait for a condition.
+		time.Sleep(hedgeDelay)
+		return okAnswer("fine"), false
+	})
+	p := newFakePool(a.upstream(), &pool.Upstream{Service: 2, Protocol: pool.HTTP, Address: b.addr})
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.HedgeDelay = hedgeDelay
+	}), p)
+	hc := tl.httpClient(t, "", "")
+	for _, want := range []string{"a", "b"} { // a kept connection to each
+		if code, body := getBody(t, hc, "http://example.test/warm"); code != 200 || body != want {
+			t.Fatalf("warm-up: %d %q, want %q", code, body, want)
+		}
+	}
+	code, body := getBody(t, hc, "http://example.test/x")
+	if code != http.StatusOK || body != "fine" {
+		t.Errorf("answer %d %q, want the hedge's", code, body)
+	}
+	if n := xs.Load(); n != maxSends {
+		t.Errorf("the request went out %d times, want %d (first and hedge)", n, maxSends)
+	}
+	if f := failures(p); len(f) != 1 || f[0].res != pool.Canceled {
+		t.Errorf("reports %v, want one without verdict (the dead kept connection)", f)
+	}
+	p.waitBalanced(t)
+}

@@ -20,12 +20,44 @@ import (
 
 const attemptKey ctxKey = 100
 
-// attemptInfo is what a transport's dialer learned during one attempt.
+// attemptInfo is what a transport's dialer learned during one attempt, and
+// the job whose sends its writes take.
 type attemptInfo struct {
 	mu       sync.Mutex
 	dialErr  *attemptError
 	dialed   bool
 	dialTook time.Duration
+	j        *job
+	holds    bool // the latest write took one of j's sends
+}
+
+// errSendsUsed: the request went out as often as it may (maxSends).
+var errSendsUsed = errors.New("request sent as often as it may be")
+
+// takeSend takes one of the attempt's job's sends for a request about to be
+// written to an upstream; false when they are used up.
+func takeSend(ctx context.Context) bool {
+	info, _ := ctx.Value(attemptKey).(*attemptInfo)
+	if info == nil || info.j == nil {
+		return true
+	}
+	if !info.j.send() {
+		return false
+	}
+	info.mu.Lock()
+	info.holds = true
+	info.mu.Unlock()
+	return true
+}
+
+// newTurn notes that the attempt goes on with another connection: what
+// the previous write took stays taken.
+func newTurn(ctx context.Context) {
+	if info, _ := ctx.Value(attemptKey).(*attemptInfo); info != nil {
+		info.mu.Lock()
+		info.holds = false
+		info.mu.Unlock()
+	}
 }
 
 // upstreamClock is a plain request's response_timeout: it ends the
@@ -362,7 +394,7 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 		rb = &replayBody{rc: req.Body, j: j}
 		j.again = rb.again
 	}
-	j.do = func(ctx context.Context, up *pool.Upstream) tryResult { return l.plainAttempt(ctx, req, rb, up) }
+	j.do = func(ctx context.Context, up *pool.Upstream) tryResult { return l.plainAttempt(ctx, j, req, rb, up) }
 	w, a, retries := l.run(ctx, j)
 	cc.retries.Add(int32(retries))
 	if w == nil {
@@ -385,8 +417,8 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 }
 
 // plainAttempt sends req through up and waits for the answer's head.
-func (l *Listener) plainAttempt(ctx context.Context, req *http.Request, rb *replayBody, up *pool.Upstream) tryResult {
-	info := &attemptInfo{}
+func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, rb *replayBody, up *pool.Upstream) tryResult {
+	info := &attemptInfo{j: j}
 	actx := context.WithValue(ctx, attemptKey, info)
 	out := req.WithContext(actx)
 	if rb != nil {
@@ -414,9 +446,12 @@ func (l *Listener) plainAttempt(ctx context.Context, req *http.Request, rb *repl
 	// Our own connections, but for TLS to the destination and for
 	// "Expect: 100-continue", where Transport holds the body back until
 	// the upstream asks for it.
-	if out.URL.Scheme == "http" && out.Header.Get("Expect") == "" {
+	switch {
+	case out.URL.Scheme == "http" && out.Header.Get("Expect") == "":
 		resp, err = l.plain.roundTrip(actx, up, out)
-	} else {
+	case !takeSend(actx):
+		err = errSendsUsed
+	default:
 		resp, err = l.transports.get(up).RoundTrip(out)
 	}
 	r := tryResult{took: time.Since(t0), err: err}
@@ -434,6 +469,8 @@ func (l *Listener) plainAttempt(ctx context.Context, req *http.Request, rb *repl
 		r.sent = resp.StatusCode != http.StatusProxyAuthRequired
 	case err == nil:
 		r.h.what, r.resp, r.sent = wAnswered, resp, true
+	case errors.Is(err, errSendsUsed):
+		r.h.what = wCalledOff // the hedge, or a resend, went out instead
 	case rb != nil && rb.bad.Load():
 		r.h.what = wClientGone // the client's body broke, was cut or stalled
 	case errors.Is(err, errStaleConn):
@@ -455,6 +492,9 @@ func (l *Listener) plainAttempt(ctx context.Context, req *http.Request, rb *repl
 		r.h.what, r.sent = wDestinationGone, true
 	default:
 		r.h.what, r.sent = wNoAnswer, true // no or malformed answer
+	}
+	if info.holds && !r.sent {
+		j.unsend() // the latest write cannot have reached the destination
 	}
 	return r
 }
