@@ -146,8 +146,9 @@ func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream) {
 // connection. The caller's goroutine returns at once, so that an idle tunnel
 // holds no handler stack or request buffers. The write deadline the
 // caller's answer was bounded by still bounds the first of those bytes;
-// the relay's writes then have none (an idle direction's read deadline
-// ends a tunnel whose client stops reading).
+// the relay's writes then have none: a tunnel whose client neither reads
+// nor sends ends at idle_timeout by its read deadlines, and one whose
+// client keeps sending without reading stays while it sends.
 func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, pending []byte) {
 	if !l.trackUpstream(upc) {
 		cc.setOutcome(OutcomeClientError)

@@ -452,7 +452,8 @@ func (b *requestBody) Read(p []byte) (int, error) {
 	b.started = true
 	if b.expect && !b.sent {
 		b.sent = true
-		_, _ = io.WriteString(cc, "HTTP/1.1 100 Continue\r\n\r\n")
+		// Through out, whose deadline an earlier answer left: it moves it.
+		_, _ = io.WriteString(&b.hc.out, "HTTP/1.1 100 Continue\r\n\r\n")
 	}
 	// Under mu: once the answer began, its own deadlines (a lingering
 	// close) are not moved.

@@ -335,3 +335,74 @@ func TestUpgradeOutlivesAnswerDeadline(t *testing.T) {
 	_ = c.Close()
 	waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 0 }, "the tunnel closed")
 }
+
+// A "100 Continue" late in a kept connection's life goes out: the write
+// deadline an earlier answer left on the connection is moved first.
+func TestContinueAfterKeptAnswer(t *testing.T) {
+	checkLeaks(t)
+	const idle = time.Second
+	su := startScripted(t, func(_ int64, req *http.Request, c net.Conn) (string, bool) {
+		if req.Method == http.MethodPut {
+			time.Sleep(idle * 2 / 5) // the upstream's pace before its go-ahead
+			_, _ = io.WriteString(c, "HTTP/1.1 100 Continue\r\n\r\n")
+			b, _ := io.ReadAll(req.Body)
+			return okAnswer("got " + string(b)), false
+		}
+		return okAnswer("ok"), false
+	})
+	p := newFakePool(su.upstream())
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.IdleTimeout = idle
+	}), p)
+	c, br := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	if resp, body := readAnswer(t, br, http.MethodGet); resp.StatusCode != http.StatusOK || body != "ok" {
+		t.Fatalf("GET: %d %q", resp.StatusCode, body)
+	}
+	time.Sleep(idle * 4 / 5) // the client's pace: late in the kept connection's idle time
+	_, _ = io.WriteString(c, "PUT http://example.test/up HTTP/1.1\r\nHost: example.test\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+	line, err := br.ReadString('\n')
+	if err != nil || line != "HTTP/1.1 100 Continue\r\n" {
+		t.Fatalf("first line after the PUT: %q %v, want the 100 Continue", line, err)
+	}
+	if blank, _ := br.ReadString('\n'); blank != "\r\n" {
+		t.Fatalf("after the 100: %q", blank)
+	}
+	_, _ = io.WriteString(c, "hello")
+	if resp, body := readAnswer(t, br, http.MethodPut); resp.StatusCode != http.StatusOK || body != "got hello" {
+		t.Errorf("PUT: %d %q", resp.StatusCode, body)
+	}
+	p.waitBalanced(t)
+}
+
+// An answer that streams slowly to a client that reads it is not cut when
+// idle_timeout is under a second: its write deadline moves often enough.
+func TestSlowAnswerShortIdleTimeout(t *testing.T) {
+	checkLeaks(t)
+	const idle = 500 * time.Millisecond
+	su := startScripted(t, func(_ int64, _ *http.Request, c net.Conn) (string, bool) {
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n")
+		for range 10 {
+			if _, err := io.WriteString(c, "abc"); err != nil {
+				return "", true
+			}
+			time.Sleep(idle * 3 / 10) // the origin's pace
+		}
+		return "", false
+	})
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.IdleTimeout = idle
+	}), newFakePool(su.upstream()))
+	c, br := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://example.test/slow HTTP/1.1\r\nHost: example.test\r\n\r\n")
+	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodGet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || len(b) != 30 {
+		t.Errorf("got %d of 30 bytes: %v", len(b), err)
+	}
+}

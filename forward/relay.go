@@ -76,9 +76,11 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 }
 
 // idleDeadline keeps a connection's read deadline (or, with write, its
-// write deadline) IdleTimeout ahead, moving it at most once a second: each
-// move is a timer update, and bulk transfers come back here many times a
-// second.
+// write deadline) IdleTimeout ahead, moving it at most once a second (or
+// every half IdleTimeout, when that is shorter): each move is a timer
+// update, and bulk transfers come back here many times a second. The
+// deadline is never less than half IdleTimeout ahead when a read or write
+// starts.
 type idleDeadline struct {
 	conn  net.Conn
 	idle  time.Duration
@@ -87,7 +89,7 @@ type idleDeadline struct {
 }
 
 func (d *idleDeadline) arm() {
-	if now := time.Now(); now.Sub(d.last) > time.Second {
+	if now := time.Now(); now.Sub(d.last) > min(time.Second, d.idle/2) {
 		if d.write {
 			_ = d.conn.SetWriteDeadline(now.Add(d.idle))
 		} else {
