@@ -43,24 +43,24 @@ func newDialer(cfg Config) *dialer {
 
 // dialTCP connects to the upstream's address and says what went wrong.
 func (d *dialer) dialTCP(ctx context.Context, u *pool.Upstream) (net.Conn, *attemptError) {
-	own := time.Now().Add(d.dialTimeout)
+	start := time.Now()
 	c, err := d.net.DialContext(ctx, "tcp", u.Address)
 	if err != nil {
-		return nil, classifyDial(ctx, err, own)
+		return nil, classifyDial(ctx, err, start, d.dialTimeout)
 	}
 	return c, nil
 }
 
-// classifyDial says what a failed dial was; own is when the dial's own
-// bound (dial_timeout) would have ended it.
-func classifyDial(ctx context.Context, err error, own time.Time) *attemptError {
+// classifyDial says what a dial started at start, bounded by bound
+// (dial_timeout), ran into.
+func classifyDial(ctx context.Context, err error, start time.Time, bound time.Duration) *attemptError {
 	w := wDialRefused
 	switch {
 	case ctx.Err() != nil && !upstreamTimeout(ctx):
 		w = wClientGone
 	case localShortage(err):
 		w = wLocal
-	case cutByBudget(ctx, own):
+	case isTimeout(err) && cutByBudget(ctx, start, bound):
 		w = wBudget
 	case isTimeout(err) || ctx.Err() != nil:
 		w = wDialTimeout
@@ -69,11 +69,13 @@ func classifyDial(ctx context.Context, err error, own time.Time) *attemptError {
 }
 
 // cutByBudget reports whether ctx's deadline (a tunnel's retry_timeout)
-// has passed and came before own, the attempt's own bound: an attempt that
-// timed out then was cut short, and says nothing about its upstream.
-func cutByBudget(ctx context.Context, own time.Time) bool {
+// has passed and left a step started at start less than nine tenths of its
+// own bound: a step that timed out then was cut short and says nothing
+// about its upstream. One that had nearly all of its bound, as the last
+// attempt of a budget often has, answers for its silence.
+func cutByBudget(ctx context.Context, start time.Time, bound time.Duration) bool {
 	dl, ok := ctx.Deadline()
-	return ok && dl.Before(own) && !time.Now().Before(dl)
+	return ok && dl.Sub(start) < bound*9/10 && !time.Now().Before(dl)
 }
 
 // upstreamTimeout reports whether ctx ended because a tunnel's attempts
@@ -105,8 +107,8 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 	if derr != nil {
 		return nil, derr
 	}
-	own := time.Now().Add(d.handshakeTimeout)
-	deadline := own
+	start := time.Now()
+	deadline := start.Add(d.handshakeTimeout)
 	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
 		deadline = dl
 	}
@@ -128,7 +130,7 @@ func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr)
 	if ctx.Err() != nil && !upstreamTimeout(ctx) {
 		return nil, failed(wClientGone, context.Cause(ctx))
 	}
-	if derr == nil || isTimeout(derr.err) && cutByBudget(ctx, own) {
+	if derr == nil || isTimeout(derr.err) && cutByBudget(ctx, start, d.handshakeTimeout) {
 		// The budget ran out before handshake_timeout did (or just as the
 		// answer came).
 		derr = failed(wBudget, errAttemptTimeout)

@@ -419,18 +419,29 @@ func TestRetryBudgetCutIsNoVerdict(t *testing.T) {
 	}
 }
 
-// A dial cut by retry_timeout before dial_timeout is no verdict either; one
-// that ran out its own dial_timeout is the upstream's.
+// A dial cut by retry_timeout well before dial_timeout is no verdict
+// either; one that had nearly all of its dial_timeout, or did not time out,
+// is the upstream's. (A dial whose context ended counts as a timeout, as it
+// did before, whatever its error.)
 func TestClassifyDialUnderBudget(t *testing.T) {
 	budget := time.Now().Add(-time.Millisecond) // ran out just now
 	ctx, cancel := context.WithDeadlineCause(context.Background(), budget, errAttemptTimeout)
 	defer cancel()
 	<-ctx.Done()
-	err := fmt.Errorf("dial tcp: %w", context.DeadlineExceeded)
-	if got := classifyDial(ctx, err, budget.Add(time.Second)).h.what; got != wBudget {
-		t.Errorf("cut before dial_timeout: %d, want wBudget", got)
-	}
-	if got := classifyDial(ctx, err, budget.Add(-time.Second)).h.what; got != wDialTimeout {
-		t.Errorf("dial_timeout first: %d, want wDialTimeout", got)
+	const bound = 5 * time.Second
+	timeout := fmt.Errorf("dial tcp: %w", context.DeadlineExceeded)
+	for _, tc := range []struct {
+		name string
+		had  time.Duration // from the dial's start to the budget's end
+		err  error
+		want what
+	}{
+		{"cut after a fifth of dial_timeout", bound / 5, timeout, wBudget},
+		{"cut after nearly all of it", bound * 19 / 20, timeout, wDialTimeout},
+		{"refused as the budget ran out", bound / 5, syscall.ECONNREFUSED, wDialTimeout},
+	} {
+		if got := classifyDial(ctx, tc.err, budget.Add(-tc.had), bound).h.what; got != tc.want {
+			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
+		}
 	}
 }

@@ -108,26 +108,29 @@ func (pcs *plainConns) roundTrip(ctx context.Context, u *pool.Upstream, req *htt
 	// A request that went out on a kept connection the upstream had closed
 	// goes once more, when it may (replayable, and within the job's sends),
 	// over a new connection: another kept one may have been closed alike.
+	// The send is taken before a connection is: none is dialed for a
+	// request that may not go out, and one that fails to dial gives its
+	// send back (plainAttempt).
 	var stale error
 	for {
 		var pc *plainConn
+		if stale != nil {
+			newTurn(ctx)
+		}
+		if !takeSend(ctx) {
+			if stale != nil {
+				return nil, stale
+			}
+			return nil, errSendsUsed
+		}
 		if stale == nil {
 			pc = pcs.get(key)
-		} else {
-			newTurn(ctx)
 		}
 		reused := pc != nil
 		if !reused {
 			if pc, err = pcs.dial(ctx, u, key, socks5.Addr{Host: host, Port: port}); err != nil {
 				return nil, err
 			}
-		}
-		if !takeSend(ctx) {
-			pcs.put(pc)
-			if stale != nil {
-				return nil, stale
-			}
-			return nil, errSendsUsed
 		}
 		resp, err := pc.roundTrip(ctx, req, u.Protocol != pool.SOCKS5, reused)
 		if stale == nil && errors.Is(err, errStaleConn) && replayable(req) && ctx.Err() == nil {

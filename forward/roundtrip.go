@@ -450,6 +450,8 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 	case out.URL.Scheme == "http" && out.Header.Get("Expect") == "":
 		resp, err = l.plain.roundTrip(actx, up, out)
 	case !takeSend(actx):
+		// One send per RoundTrip: a request Transport replays itself over
+		// a new connection after a kept one failed is not counted.
 		err = errSendsUsed
 	default:
 		resp, err = l.transports.get(up).RoundTrip(out)

@@ -6,6 +6,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // On Linux, io.Copy between two *net.TCPConn splices: the bytes go from one
@@ -101,7 +103,7 @@ const peekAll = 1 << 30
 // peek told EOF from "nothing yet": two system calls where one does.)
 func (w *queueWait) check(fd uintptr) bool {
 	for {
-		n, _, errno := syscall.Syscall6(syscall.SYS_RECVFROM, fd, 0, peekAll,
+		n, _, errno := syscall.Syscall6(unix.SYS_RECVFROM, fd, 0, peekAll,
 			syscall.MSG_PEEK|syscall.MSG_TRUNC|syscall.MSG_DONTWAIT, 0, 0)
 		switch errno {
 		case 0:
