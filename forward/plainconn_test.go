@@ -621,24 +621,7 @@ func TestPlainIdleLimits(t *testing.T) {
 	pcs.maxIdlePerKey, pcs.maxIdle, pcs.idleTimeout = 2, 3, time.Hour
 	pcs.mu.Unlock()
 	idle := func() int { pcs.mu.Lock(); defer pcs.mu.Unlock(); return pcs.n }
-	errs := make(chan error, n)
-	for range n {
-		go func() {
-			resp, err := tl.httpClient(t, "", "").Get("http://example.test/")
-			if err == nil {
-				_, _ = io.Copy(io.Discard, resp.Body)
-				err = resp.Body.Close()
-			}
-			errs <- err
-		}()
-	}
-	started.Wait()
-	close(release)
-	for range n {
-		if err := <-errs; err != nil {
-			t.Fatal(err)
-		}
-	}
+	getsHeldTogether(t, tl, n, &started, release)
 	waitFor(t, 5*time.Second, func() bool { return a.closed.Load()+b.closed.Load() == n-3 }, "all but three closed")
 	if got := idle(); got != 3 {
 		t.Errorf("idle connections %d, want 3", got)
@@ -747,24 +730,7 @@ func TestPlainStaleResendOnce(t *testing.T) {
 	})
 	p := newFakePool(su.upstream())
 	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
-	errs := make(chan error, kept)
-	for range kept {
-		go func() {
-			resp, err := tl.httpClient(t, "", "").Get("http://example.test/")
-			if err == nil {
-				_, _ = io.Copy(io.Discard, resp.Body)
-				err = resp.Body.Close()
-			}
-			errs <- err
-		}()
-	}
-	arrived.Wait()
-	close(release)
-	for range kept {
-		if err := <-errs; err != nil {
-			t.Fatal(err)
-		}
-	}
+	getsHeldTogether(t, tl, kept, &arrived, release)
 	waitFor(t, 5*time.Second, func() bool {
 		tl.plain.mu.Lock()
 		defer tl.plain.mu.Unlock()
@@ -852,4 +818,30 @@ func TestPlainStaleAfterHedgeNotResent(t *testing.T) {
 		t.Errorf("reports %v, want one without verdict (the dead kept connection)", f)
 	}
 	p.waitBalanced(t)
+}
+
+// getsHeldTogether sends n GETs at once through tl, each from its own
+// client, and returns when all were answered. The upstream holds each one
+// until all n arrived (counted down on arrived) and release is closed, so
+// that n upstream connections are open at the same time.
+func getsHeldTogether(t *testing.T, tl *testListener, n int, arrived *sync.WaitGroup, release chan struct{}) {
+	t.Helper()
+	errs := make(chan error, n)
+	for range n {
+		go func() {
+			resp, err := tl.httpClient(t, "", "").Get("http://example.test/")
+			if err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				err = resp.Body.Close()
+			}
+			errs <- err
+		}()
+	}
+	arrived.Wait()
+	close(release)
+	for range n {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
 }
