@@ -252,9 +252,6 @@ type tryResult struct {
 	// took is how long the attempt took (dial and handshake when it dialed).
 	took   time.Duration
 	dialed bool // a new upstream connection was opened and answered
-	// sent: the request may have reached the destination; otherwise the
-	// send its latest write took is given back (job.unsend).
-	sent bool
 }
 
 // discard frees what a result holds: it lost, or failed late.

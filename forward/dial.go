@@ -148,11 +148,7 @@ func socksHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn, *
 		io.Writer
 	}{br, c}, dest, u.Username, u.Password)
 	if err == nil {
-		if n := br.Buffered(); n > 0 {
-			head, _ := br.Peek(n)
-			return &prefixConn{Conn: c, prefix: append([]byte(nil), head...)}, nil
-		}
-		return c, nil
+		return withPrefix(c, br), nil
 	}
 	var re *socks5.ReplyError
 	switch {
@@ -206,11 +202,7 @@ func connectHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn,
 	if s := resp.StatusCode; s < 200 || s > 299 {
 		return nil, proxyAnswer(resp) // keeps nothing that reads br
 	}
-	if n := br.Buffered(); n > 0 {
-		head, _ := br.Peek(n)
-		return &prefixConn{Conn: c, prefix: append([]byte(nil), head...)}, nil
-	}
-	return c, nil
+	return withPrefix(c, br), nil
 }
 
 // connectReaders hold the buffers CONNECT answers are read through: one
@@ -224,6 +216,25 @@ func proxyAnswer(resp *http.Response) *attemptError {
 		h:   happened{what: wProxyAnswer, status: resp.StatusCode, squid: resp.Header.Get("X-Squid-Error")},
 		err: fmt.Errorf("upstream answered %d", resp.StatusCode),
 	}
+}
+
+// bufferedCopy is a copy of what br holds already, or nil.
+func bufferedCopy(br *bufio.Reader) []byte {
+	n := br.Buffered()
+	if n == 0 {
+		return nil
+	}
+	b, _ := br.Peek(n)
+	return append([]byte(nil), b...)
+}
+
+// withPrefix is c, or a prefixConn of c when br, which read c's handshake
+// answer, holds bytes the upstream sent right behind it.
+func withPrefix(c net.Conn, br *bufio.Reader) net.Conn {
+	if b := bufferedCopy(br); b != nil {
+		return &prefixConn{Conn: c, prefix: b}
+	}
+	return c
 }
 
 // prefixConn is a connection whose first reads return bytes an upstream sent

@@ -15,10 +15,6 @@ import (
 	"github.com/proxyd/proxyd/pool"
 )
 
-type ctxKey int
-
-const connKey ctxKey = iota // *clientConn of the request
-
 // Short fixed answers: nothing from an error, a credential or an upstream
 // ever reaches a client's body.
 const (
@@ -109,11 +105,7 @@ func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Reques
 		l.refuseConn(cc, status, text, "")
 		return
 	}
-	var pending []byte
-	if n := br.Buffered(); n > 0 {
-		b, _ := br.Peek(n)
-		pending = append([]byte(nil), b...)
-	}
+	pending := bufferedCopy(br)
 	upc, up, retries, fail := l.openTunnel(l.ctx, key, socks5.Addr{Host: host, Port: port})
 	cc.retries.Add(int32(retries))
 	// Only the answer's write needs a deadline: nothing is read from the
@@ -293,11 +285,7 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 		fail2(OutcomeOK)
 		return keep
 	}
-	var pending []byte
-	if n := hc.br.Buffered(); n > 0 {
-		b, _ := hc.br.Peek(n)
-		pending = append([]byte(nil), b...)
-	}
+	pending := bufferedCopy(hc.br)
 	stripHop(resp.Header, true)
 	resp.Body = nil
 	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
@@ -306,10 +294,7 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 		l.abandon(cc, upc, up)
 		return false
 	}
-	if n := br.Buffered(); n > 0 {
-		b, _ := br.Peek(n)
-		upc = &prefixConn{Conn: upc, prefix: append([]byte(nil), b...)}
-	}
+	upc = withPrefix(upc, br)
 	cc.setOutcome(OutcomeOK)
 	l.startRelay(cc, upc, up, pending)
 	return false

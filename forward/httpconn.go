@@ -231,14 +231,11 @@ func checkHead(req *http.Request) error {
 	if !httpguts.ValidHostHeader(req.Host) {
 		return badHead{http.StatusBadRequest, "malformed Host header"}
 	}
-	for k, vv := range req.Header {
+	// http.ReadRequest refused invalid bytes in names and values already,
+	// but lets a name with a space in it through.
+	for k := range req.Header {
 		if !httpguts.ValidHeaderFieldName(k) {
 			return badHead{http.StatusBadRequest, "invalid header name"}
-		}
-		for _, v := range vv {
-			if !httpguts.ValidHeaderFieldValue(v) {
-				return badHead{http.StatusBadRequest, "invalid header value"}
-			}
 		}
 	}
 	if e := req.Header["Expect"]; len(e) > 0 && !httpguts.HeaderValuesContainsToken(e, "100-continue") {
@@ -341,9 +338,6 @@ func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http
 		keep = false // an HTTP/1.0 client reads to the connection's end
 		delete(h, "Content-Length")
 	}
-	if _, ok := h["Date"]; !ok {
-		h["Date"] = []string{time.Now().UTC().Format(http.TimeFormat)}
-	}
 	_, _ = bw.WriteString("HTTP/1.1 ")
 	_, _ = bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(status), 10))
 	_ = bw.WriteByte(' ')
@@ -369,6 +363,11 @@ func (hc *httpConn) writeAnswer(req *http.Request, body *requestBody, resp *http
 		}
 	}
 	_ = h.Write(bw)
+	if _, ok := h["Date"]; !ok { // written straight into bw, as net/http's server does
+		_, _ = bw.WriteString("Date: ")
+		_, _ = bw.Write(time.Now().UTC().AppendFormat(bw.AvailableBuffer(), http.TimeFormat))
+		_, _ = bw.WriteString("\r\n")
+	}
 	_, err := bw.WriteString("\r\n")
 	if err == nil && !noBody {
 		// Through a buffer of its own, not bw.ReadFrom: the body's reads

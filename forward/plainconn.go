@@ -94,9 +94,10 @@ type plainConn struct {
 
 // roundTrip sends req (whose header is ready for the upstream) and returns
 // the answer's head; its body gives the connection back when read to the
-// end and closed. Dial failures are recorded in ctx's attemptInfo, and each
-// write takes one of its job's sends (takeSend).
-func (pcs *plainConns) roundTrip(ctx context.Context, u *pool.Upstream, req *http.Request) (*http.Response, error) {
+// end and closed. Dial failures are recorded in ctx's attemptInfo. The
+// caller took the request's send; resend takes another, for going out once
+// more after a kept connection the upstream had closed turned out dead.
+func (pcs *plainConns) roundTrip(ctx context.Context, u *pool.Upstream, req *http.Request, resend func() bool) (*http.Response, error) {
 	host, port, err := splitHostPort(req.URL.Host, 80)
 	if err != nil {
 		return nil, err
@@ -105,40 +106,26 @@ func (pcs *plainConns) roundTrip(ctx context.Context, u *pool.Upstream, req *htt
 	if u.Protocol == pool.SOCKS5 {
 		key += "\x00" + net.JoinHostPort(host, strconv.Itoa(int(port)))
 	}
-	// A request that went out on a kept connection the upstream had closed
-	// goes once more, when it may (replayable, and within the job's sends),
-	// over a new connection: another kept one may have been closed alike.
-	// The send is taken before a connection is: none is dialed for a
-	// request that may not go out, and one that fails to dial gives its
-	// send back (plainAttempt).
-	var stale error
-	for {
-		var pc *plainConn
-		if stale != nil {
-			newTurn(ctx)
-		}
-		if !takeSend(ctx) {
-			if stale != nil {
-				return nil, stale
-			}
-			return nil, errSendsUsed
-		}
-		if stale == nil {
-			pc = pcs.get(key)
-		}
-		reused := pc != nil
-		if !reused {
-			if pc, err = pcs.dial(ctx, u, key, socks5.Addr{Host: host, Port: port}); err != nil {
-				return nil, err
-			}
-		}
-		resp, err := pc.roundTrip(ctx, req, u.Protocol != pool.SOCKS5, reused)
-		if stale == nil && errors.Is(err, errStaleConn) && replayable(req) && ctx.Err() == nil {
-			stale = err
-			continue
-		}
-		return resp, err
+	pc := pcs.get(key)
+	resp, err := pcs.send(ctx, pc, u, key, req, host, port)
+	// A replayable request goes once more, when a send is left, over a new
+	// connection: another kept one may have been closed alike.
+	if pc != nil && errors.Is(err, errStaleConn) && replayable(req) && ctx.Err() == nil && resend() {
+		return pcs.send(ctx, nil, u, key, req, host, port)
 	}
+	return resp, err
+}
+
+// send writes req on pc, or on a new connection when pc is nil.
+func (pcs *plainConns) send(ctx context.Context, pc *plainConn, u *pool.Upstream, key string, req *http.Request, host string, port uint16) (*http.Response, error) {
+	reused := pc != nil
+	if !reused {
+		var err error
+		if pc, err = pcs.dial(ctx, u, key, socks5.Addr{Host: host, Port: port}); err != nil {
+			return nil, err
+		}
+	}
+	return pc.roundTrip(ctx, req, u.Protocol != pool.SOCKS5, reused)
 }
 
 func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, dest socks5.Addr) (*plainConn, error) {

@@ -18,47 +18,20 @@ import (
 	"github.com/proxyd/proxyd/pool"
 )
 
-const attemptKey ctxKey = 100
+type ctxKey int
 
-// attemptInfo is what a transport's dialer learned during one attempt, and
-// the job whose sends its writes take.
+const attemptKey ctxKey = iota // *attemptInfo of a plain attempt
+
+// attemptInfo is what a transport's dialer learned during one attempt.
 type attemptInfo struct {
 	mu       sync.Mutex
 	dialErr  *attemptError
 	dialed   bool
 	dialTook time.Duration
-	j        *job
-	holds    bool // the latest write took one of j's sends
 }
 
 // errSendsUsed: the request went out as often as it may (maxSends).
 var errSendsUsed = errors.New("request sent as often as it may be")
-
-// takeSend takes one of the attempt's job's sends for a request about to be
-// written to an upstream; false when they are used up.
-func takeSend(ctx context.Context) bool {
-	info, _ := ctx.Value(attemptKey).(*attemptInfo)
-	if info == nil || info.j == nil {
-		return true
-	}
-	if !info.j.send() {
-		return false
-	}
-	info.mu.Lock()
-	info.holds = true
-	info.mu.Unlock()
-	return true
-}
-
-// newTurn notes that the attempt goes on with another connection: what
-// the previous write took stays taken.
-func newTurn(ctx context.Context) {
-	if info, _ := ctx.Value(attemptKey).(*attemptInfo); info != nil {
-		info.mu.Lock()
-		info.holds = false
-		info.mu.Unlock()
-	}
-}
 
 // upstreamClock is a plain request's response_timeout: it ends the
 // request's attempts when the upstream side keeps proxyd waiting too long,
@@ -418,7 +391,7 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 
 // plainAttempt sends req through up and waits for the answer's head.
 func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, rb *replayBody, up *pool.Upstream) tryResult {
-	info := &attemptInfo{j: j}
+	info := &attemptInfo{}
 	actx := context.WithValue(ctx, attemptKey, info)
 	out := req.WithContext(actx)
 	if rb != nil {
@@ -446,17 +419,22 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 	// Our own connections, but for TLS to the destination and for
 	// "Expect: 100-continue", where Transport holds the body back until
 	// the upstream asks for it.
+	// The send is taken before a connection is: none is dialed for a
+	// request that may not go out, and one whose latest write did not
+	// happen or cannot have reached the destination gives it back below.
+	took := j.send()
 	switch {
+	case !took:
+		err = errSendsUsed
 	case out.URL.Scheme == "http" && out.Header.Get("Expect") == "":
-		resp, err = l.plain.roundTrip(actx, up, out)
-	case !takeSend(actx):
+		resp, err = l.plain.roundTrip(actx, up, out, j.send)
+	default:
 		// One send per RoundTrip: a request Transport replays itself over
 		// a new connection after a kept one failed is not counted.
-		err = errSendsUsed
-	default:
 		resp, err = l.transports.get(up).RoundTrip(out)
 	}
 	r := tryResult{took: time.Since(t0), err: err}
+	sent := false // the request may have reached the destination
 	aerr, dialed, dialTook := info.get()
 	if dialed {
 		r.took, r.dialed = dialTook, true
@@ -468,21 +446,21 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 		pa := proxyAnswer(resp)
 		_ = resp.Body.Close()
 		r.h, r.err = pa.h, pa.err
-		r.sent = resp.StatusCode != http.StatusProxyAuthRequired
+		sent = resp.StatusCode != http.StatusProxyAuthRequired
 	case err == nil:
-		r.h.what, r.resp, r.sent = wAnswered, resp, true
+		r.h.what, r.resp, sent = wAnswered, resp, true
 	case errors.Is(err, errSendsUsed):
 		r.h.what = wCalledOff // the hedge, or a resend, went out instead
 	case rb != nil && rb.bad.Load():
 		r.h.what = wClientGone // the client's body broke, was cut or stalled
 	case errors.Is(err, errStaleConn):
-		r.h.what, r.sent = wStale, true // a kept connection the other side closed while idle
+		r.h.what, sent = wStale, true // a kept connection the other side closed while idle
 	case errors.Is(err, errListenerClosed):
 		r.h.what = wClientGone
 	case aerr != nil:
 		r.h = aerr.h // before anything was sent
 	case ctx.Err() != nil:
-		r.h.what, r.sent = wClientGone, true // or the loop's reason, which settle puts in
+		r.h.what, sent = wClientGone, true // or the loop's reason, which settle puts in
 	case tlsFailure(err):
 		// The upstream carried the connection; the destination's TLS did
 		// not hold (an untrusted or wrong certificate, no TLS at all).
@@ -491,12 +469,12 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 		// A SOCKS5 tunnel to the destination carried the request (its
 		// handshake's failures are aerr's): what broke after it was open
 		// is the destination's.
-		r.h.what, r.sent = wDestinationGone, true
+		r.h.what, sent = wDestinationGone, true
 	default:
-		r.h.what, r.sent = wNoAnswer, true // no or malformed answer
+		r.h.what, sent = wNoAnswer, true // no or malformed answer
 	}
-	if info.holds && !r.sent {
-		j.unsend() // the latest write cannot have reached the destination
+	if took && !sent {
+		j.unsend()
 	}
 	return r
 }
