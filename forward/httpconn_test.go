@@ -103,6 +103,21 @@ func TestPlainAnswerFraming(t *testing.T) {
 	if body != "abcde" || len(resp.TransferEncoding) != 1 || resp.TransferEncoding[0] != "chunked" || resp.Trailer.Get("X-Sum") != "5" {
 		t.Errorf("HTTP/1.1: body %q, transfer encoding %v, trailer %v", body, resp.TransferEncoding, resp.Trailer)
 	}
+	// The origin sent no Date: proxyd adds one, as an origin server must.
+	if d, err := http.ParseTime(resp.Header.Get("Date")); err != nil || time.Since(d) > time.Minute || time.Until(d) > time.Minute {
+		t.Errorf("Date %q: %v, want the time of the answer", resp.Header.Get("Date"), err)
+	}
+
+	// An HTTP/1.0 client that did not ask to keep its connection.
+	c, br = dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://example.test/fixed HTTP/1.0\r\n\r\n")
+	resp, body = readAnswer(t, br, http.MethodGet)
+	if body != "fixed" || !resp.Close {
+		t.Errorf("HTTP/1.0 without keep-alive: %q, close %v", body, resp.Close)
+	}
+	if _, err := br.ReadByte(); err != io.EOF {
+		t.Errorf("after an answer to HTTP/1.0 without keep-alive: %v, want the connection's end", err)
+	}
 
 	c, br = dialRaw(t, tl.addr)
 	_, _ = io.WriteString(c, "GET http://example.test/fixed HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"+
@@ -274,12 +289,17 @@ func TestPlainClientStopsReading(t *testing.T) {
 		c.IdleTimeout = 500 * time.Millisecond
 	}), p)
 	c, _ := dialRaw(t, tl.addr)
+	start := time.Now()
 	_, _ = io.WriteString(c, "GET http://example.test/big HTTP/1.1\r\nHost: example.test\r\n\r\n")
 	// The client reads nothing from here on.
 	waitFor(t, 10*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection ended")
+	if d := time.Since(start); d < 500*time.Millisecond || d > 5*time.Second {
+		t.Errorf("the connection ended after %s, want about idle_timeout (500ms)", d)
+	}
 	if o := tl.obs.Closeds()[0].o; o != OutcomeClientError {
 		t.Errorf("outcome %s, want client_error", o)
 	}
+	waitFor(t, 5*time.Second, func() bool { return su.closed.Load() == 1 }, "the upstream connection closed")
 	p.waitBalanced(t)
 }
 
@@ -397,12 +417,7 @@ func TestSlowAnswerShortIdleTimeout(t *testing.T) {
 	}), newFakePool(su.upstream()))
 	c, br := dialRaw(t, tl.addr)
 	_, _ = io.WriteString(c, "GET http://example.test/slow HTTP/1.1\r\nHost: example.test\r\n\r\n")
-	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodGet})
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := io.ReadAll(resp.Body)
-	if err != nil || len(b) != 30 {
-		t.Errorf("got %d of 30 bytes: %v", len(b), err)
+	if resp, body := readAnswer(t, br, http.MethodGet); resp.StatusCode != http.StatusOK || len(body) != 30 {
+		t.Errorf("got %d with %d of 30 bytes", resp.StatusCode, len(body))
 	}
 }
