@@ -442,7 +442,8 @@ func retryAfter(v string, now time.Time) time.Time {
 	if v == "" {
 		return time.Time{}
 	}
-	if secs, err := strconv.Atoi(v); err == nil && secs >= 0 && secs < 1<<31 {
+	// Up to 2^31-1 seconds, on 32-bit platforms as well; more is unreadable.
+	if secs, err := strconv.ParseInt(v, 10, 32); err == nil && secs >= 0 {
 		return now.Add(time.Duration(secs) * time.Second).UTC()
 	}
 	if t, err := http.ParseTime(v); err == nil {

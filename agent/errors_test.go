@@ -154,6 +154,8 @@ func TestRetryAfter(t *testing.T) {
 		"":                              {},
 		"soon":                          {},
 		"-5":                            {},
+		"2147483647":                    now.Add(2147483647 * time.Second),
+		"2147483648":                    {},
 	} {
 		if got := retryAfter(in, now); !got.Equal(want) {
 			t.Errorf("retryAfter(%q) = %v, want %v", in, got, want)

@@ -9,5 +9,5 @@ func monotonicUsec() (int64, error) {
 	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
 		return 0, err
 	}
-	return ts.Sec*1e6 + ts.Nsec/1e3, nil
+	return ts.Nano() / 1e3, nil
 }
