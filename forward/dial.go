@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"os"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -189,12 +188,9 @@ func connectHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn,
 	if _, err := io.WriteString(c, b.String()); err != nil {
 		return nil, failed(wNoAnswer, fmt.Errorf("writing CONNECT: %w", err))
 	}
-	br := connectReaders.Get().(*bufio.Reader)
-	br.Reset(c)
-	defer func() {
-		br.Reset(nil)
-		connectReaders.Put(br)
-	}()
+	// Through a small buffer, as the SOCKS5 handshake's: bytes the
+	// destination sent right behind the answer are kept for the client.
+	br := bufio.NewReaderSize(c, 1024)
 	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
 	if err != nil {
 		return nil, failed(wNoAnswer, fmt.Errorf("reading CONNECT answer: %w", err))
@@ -204,11 +200,6 @@ func connectHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn,
 	}
 	return withPrefix(c, br), nil
 }
-
-// connectReaders hold the buffers CONNECT answers are read through: one
-// per tunnel set up, given back once the answer is read (1 KiB of the 18
-// a tunnel set-up allocates).
-var connectReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 1024) }}
 
 // proxyAnswer is an upstream's own answer that refused a request.
 func proxyAnswer(resp *http.Response) *attemptError {

@@ -17,8 +17,9 @@ import (
 //
 // The current listener's Serve loop calls accept(2) itself: no goroutine in
 // between hands connections over, which would cost a goroutine wake-up per
-// connection (about 8 % of the CPU samples of new-connection requests in the
-// rig, BENCHMARKS.md). A handoff listener that is replaced while it waits in
+// connection (in the rig, BENCHMARKS.md, tunnel setups went from 0.58 to
+// 0.63 of direct over HTTP and from 0.51 to 0.59 over SOCKS5 without that
+// goroutine). A handoff listener that is replaced while it waits in
 // accept is woken by a read deadline in the past, which attach takes back
 // once it has left.
 type acceptor struct {
