@@ -15,19 +15,12 @@ import (
 	"golang.org/x/net/proxy"
 
 	"github.com/proxyd/proxyd/forward/socks5"
+	"github.com/proxyd/proxyd/internal/freeport"
 	"github.com/proxyd/proxyd/pool"
 )
 
-// deadUpstream returns an address where nothing listens.
-func deadAddr(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	_ = ln.Close()
-	return addr
-}
+// deadAddr returns an address where nothing listens.
+func deadAddr(t *testing.T) string { return freeport.Addr(t) }
 
 // faultyUpstream builds an upstream of the given kind showing fault.
 func faultyUpstream(t *testing.T, kind pool.Protocol, fault string) *pool.Upstream {

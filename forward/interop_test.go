@@ -17,6 +17,7 @@ import (
 	"golang.org/x/net/websocket"
 
 	"github.com/proxyd/proxyd/forward/socks5"
+	"github.com/proxyd/proxyd/internal/freeport"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -37,16 +38,6 @@ func skipOrFail(t *testing.T, format string, args ...any) {
 		t.Fatalf("under CI=true: "+format, args...)
 	}
 	t.Skipf(format, args...)
-}
-
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
 }
 
 // worldDir is a temp dir the daemons' unprivileged users can read and write.
@@ -134,7 +125,7 @@ func startSquid(t *testing.T, user, pass string) string {
 	if err := os.WriteFile(pw, []byte(user+":"+apr1Hash(t, pass)+"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	addr := fmt.Sprintf("127.0.0.1:%d", freeport.Port(t))
 	conf := fmt.Sprintf(`http_port %[1]s
 pid_filename %[2]s/squid.pid
 cache_log %[2]s/cache.log
@@ -163,7 +154,7 @@ func startDante(t *testing.T) string {
 	t.Helper()
 	requireTool(t, "/usr/sbin/danted")
 	dir := worldDir(t)
-	port := freePort(t)
+	port := freeport.Port(t)
 	conf := fmt.Sprintf(`logoutput: %[1]s/danted.log
 internal: 127.0.0.1 port = %[2]d
 external: 127.0.0.1

@@ -14,12 +14,13 @@ import (
 
 	"github.com/proxyd/proxyd/agent/providersim"
 	"github.com/proxyd/proxyd/forward"
+	"github.com/proxyd/proxyd/internal/freeport"
 )
 
 // TestDemo runs `proxyd demo` on free ports and follows the first curl
 // command it prints, then stops it as Ctrl-C would.
 func TestDemo(t *testing.T) {
-	httpAddr, socksAddr, adminAddr := freePort(t), freePort(t), freePort(t)
+	httpAddr, socksAddr, adminAddr := freeport.Addr(t), freeport.Addr(t), freeport.Addr(t)
 	out, errOut := runDemo(t, httpAddr, socksAddr, adminAddr, "300ms")
 	var cmd []string
 	waitFor(t, "the demo's instructions", 15*time.Second, func() bool {
@@ -100,7 +101,7 @@ func via(body string) string {
 // the status page's address comes first, two requests with one sticky key
 // name the same upstream, eight plain ones name more than one.
 func TestDemoShowsUpstreams(t *testing.T) {
-	httpAddr, socksAddr, adminAddr := freePort(t), freePort(t), freePort(t)
+	httpAddr, socksAddr, adminAddr := freeport.Addr(t), freeport.Addr(t), freeport.Addr(t)
 	out, _ := runDemo(t, httpAddr, socksAddr, adminAddr, "0")
 	var sticky []string
 	waitFor(t, "the demo's instructions", 15*time.Second, func() bool {

@@ -26,6 +26,7 @@ import (
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/agent/providersim"
 	"github.com/proxyd/proxyd/forward"
+	"github.com/proxyd/proxyd/internal/freeport"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -659,7 +660,7 @@ func TestDaemonReloadListeners(t *testing.T) {
 
 	next := e.cfg
 	next.Listener = []listenerConfig{e.cfg.Listener[0], e.cfg.Listener[1]}
-	next.Listener[0].Address = freePort(t) // http moves
+	next.Listener[0].Address = freeport.Addr(t) // http moves
 	if err := e.d.Reload(next); err != nil {
 		t.Fatal(err)
 	}

@@ -21,6 +21,7 @@ import (
 
 	"github.com/proxyd/proxyd/agent/providersim"
 	"github.com/proxyd/proxyd/forward"
+	"github.com/proxyd/proxyd/internal/freeport"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -139,7 +140,7 @@ func TestReloadRefusedChangesNothing(t *testing.T) {
 // open past the drain timeout), the pool keeps its strategy.
 func TestReloadRefusedListenerChangesNothing(t *testing.T) {
 	w := newWorld(t)
-	fixed := freePort(t)
+	fixed := freeport.Addr(t)
 	e := startDaemon(t, w, t.TempDir(), func(c *config) {
 		c.Listener[0].Address = fixed
 		c.Shutdown.DrainTimeout = 200 * time.Millisecond
@@ -295,7 +296,7 @@ func TestReloadEverySection(t *testing.T) {
 	os.WriteFile(tokenFile, []byte(providersim.DefaultToken+"\n"), 0o600)
 	cfgPath := filepath.Join(dir, "config.toml")
 	cfg := reloadConfig{baseURL: a.simURL, tokenFile: tokenFile, stateDir: filepath.Join(dir, "state1"),
-		strategy: "round-robin", admin: freePort(t), logFormat: "text", listen: freePort(t), idle: "5m"}
+		strategy: "round-robin", admin: freeport.Addr(t), logFormat: "text", listen: freeport.Addr(t), idle: "5m"}
 	cfg.write(t, cfgPath)
 
 	cmd, stderr, _ := runBinary(t, bin, cfgPath)
@@ -403,7 +404,7 @@ func TestReloadEverySection(t *testing.T) {
 
 	// [admin]: the new address serves, then the old one stops.
 	oldAdmin := cfg.admin
-	cfg.admin = freePort(t)
+	cfg.admin = freeport.Addr(t)
 	reload("[admin] address")
 	if code, _ := adminGet(cfg.admin, "/healthz"); code != 200 {
 		t.Errorf("new admin address: %d", code)

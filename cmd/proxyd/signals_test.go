@@ -21,18 +21,8 @@ import (
 	"time"
 
 	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/internal/freeport"
 )
-
-// freePort returns a loopback address that was free a moment ago.
-func freePort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
 
 // notifySocket collects sd_notify datagrams.
 type notifySocket struct {
@@ -137,7 +127,7 @@ func TestDaemonSignals(t *testing.T) {
 	notify, sock := newNotifySocket(t)
 	dir := t.TempDir()
 	cfgPath := filepath.Join(dir, "config.toml")
-	httpAddr := freePort(t)
+	httpAddr := freeport.Addr(t)
 	writeConfig(t, cfgPath, w, filepath.Join(dir, "state"), [2]string{"http", httpAddr})
 
 	cmd, stderr, exited := runBinary(t, bin, cfgPath, "PROXYD_API_TOKEN="+providersim.DefaultToken, "NOTIFY_SOCKET="+sock,
@@ -196,7 +186,7 @@ func TestDaemonSignals(t *testing.T) {
 	}
 
 	// SIGHUP with a good config: a second listener appears.
-	second := freePort(t)
+	second := freeport.Addr(t)
 	writeConfig(t, cfgPath, w, filepath.Join(dir, "state"), [2]string{"http", httpAddr}, [2]string{"extra", second})
 	sent := clockMonotonicUsec(t)
 	cmd.Process.Signal(syscall.SIGHUP)

@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/proxyd/proxyd/internal/freeport"
 )
 
 const dantedPath = "/usr/sbin/danted"
@@ -32,7 +34,7 @@ func startDante(t *testing.T) string {
 		}
 		t.Skipf("Dante not installed: %v", err)
 	}
-	port := freePort(t)
+	port := freeport.Port(t)
 	dir := t.TempDir()
 	var users string
 	if os.Geteuid() == 0 {
@@ -117,16 +119,6 @@ socks pass {
 	}
 }
 
-// freePort returns a loopback TCP port that was free a moment ago.
-func freePort(t *testing.T) int {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
 type syncBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
@@ -194,7 +186,7 @@ func TestInteropDante(t *testing.T) {
 		dest Addr
 		code byte
 	}{
-		{"refused port", Addr{"127.0.0.1", uint16(freePort(t))}, ReplyConnectionRefused},
+		{"refused port", Addr{"127.0.0.1", uint16(freeport.Port(t))}, ReplyConnectionRefused},
 		{"blocked by rule", Addr{"127.0.0.2", mustPort(port)}, ReplyNotAllowed},
 	}
 	for _, c := range failCases {
