@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/internal/syncbuf"
 )
 
 // Unpaid invoices: status Unpaid or Collections, every other status not;
@@ -99,7 +99,7 @@ func TestPollerListFormatFallback(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var logBuf syncBuffer
+	var logBuf syncbuf.Buffer
 	logger := slog.New(slog.NewTextHandler(&logBuf, nil))
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services = []int{101} }), nil, logger)
 	if err != nil {
@@ -129,16 +129,3 @@ func TestPollerListFormatFallback(t *testing.T) {
 		t.Errorf("format choice logged %d times:\n%s", n, logBuf.String())
 	}
 }
-
-// syncBuffer is a bytes.Buffer safe for a logger and a reader.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }

@@ -1,7 +1,6 @@
 package pool
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -11,25 +10,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/proxyd/proxyd/internal/syncbuf"
 )
-
-// syncBuffer is a bytes.Buffer safe for a slog handler and a test reading it.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // wantEvents checks that the events of kind are exactly want, newest first,
 // comparing kind, upstream, service and reason.
@@ -60,7 +43,7 @@ func wantEvents(t *testing.T, l *EventLog, kind EventKind, want ...Event) {
 // service and reason, newest first, and are logged at info level.
 func TestEventsOncePerUpstream(t *testing.T) {
 	clk := newClock()
-	var logged syncBuffer
+	var logged syncbuf.Buffer
 	logger := slog.New(slog.NewTextHandler(&logged, nil))
 	events := NewEventLog(0, logger, clk.Now)
 	var rotateErr error

@@ -15,6 +15,7 @@ import (
 	"github.com/proxyd/proxyd/agent/providersim"
 	"github.com/proxyd/proxyd/forward"
 	"github.com/proxyd/proxyd/internal/freeport"
+	"github.com/proxyd/proxyd/internal/syncbuf"
 )
 
 // TestDemo runs `proxyd demo` on free ports and follows the first curl
@@ -53,10 +54,10 @@ func TestDemo(t *testing.T) {
 
 // runDemo runs `proxyd demo` on the given addresses until the test ends,
 // then stops it as Ctrl-C would and checks that it exited 0.
-func runDemo(t *testing.T, httpAddr, socksAddr, adminAddr, faults string) (out, errOut *lockedWriter) {
+func runDemo(t *testing.T, httpAddr, socksAddr, adminAddr, faults string) (out, errOut *syncbuf.Buffer) {
 	t.Helper()
-	out = &lockedWriter{w: &strings.Builder{}}
-	errOut = &lockedWriter{w: &strings.Builder{}}
+	out = &syncbuf.Buffer{}
+	errOut = &syncbuf.Buffer{}
 	ctx, cancel := context.WithCancel(context.Background())
 	code := make(chan int, 1)
 	go func() {
@@ -258,7 +259,7 @@ func TestDemoSharedLoopback(t *testing.T) {
 			}
 		}
 	}
-	logs := &lockedWriter{w: &strings.Builder{}}
+	logs := &syncbuf.Buffer{}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {

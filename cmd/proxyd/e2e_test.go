@@ -27,6 +27,7 @@ import (
 	"github.com/proxyd/proxyd/agent/providersim"
 	"github.com/proxyd/proxyd/forward"
 	"github.com/proxyd/proxyd/internal/freeport"
+	"github.com/proxyd/proxyd/internal/syncbuf"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -38,7 +39,7 @@ type e2e struct {
 	d        *daemon
 	cfg      config
 	stateDir string
-	logs     *lockedWriter
+	logs     *syncbuf.Buffer
 	done     chan error
 }
 
@@ -68,7 +69,7 @@ func startDaemon(t *testing.T, w *demoWorld, stateDir string, mutate func(*confi
 	if mutate != nil {
 		mutate(&cfg)
 	}
-	logs := &lockedWriter{w: &bytes.Buffer{}}
+	logs := &syncbuf.Buffer{}
 	logger, logCtl := newLogger(cfg.Log, logs)
 	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
 	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: logger, logs: logCtl})
@@ -94,23 +95,6 @@ func (e *e2e) stop() {
 	if err := <-e.done; err != nil {
 		e.t.Errorf("Run: %v", err)
 	}
-}
-
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return fmt.Sprint(l.w)
-}
-
-func (l *lockedWriter) Write(b []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(b)
 }
 
 // waitFor polls cond until it holds or the deadline passes.

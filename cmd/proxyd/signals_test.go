@@ -22,6 +22,7 @@ import (
 
 	"github.com/proxyd/proxyd/agent/providersim"
 	"github.com/proxyd/proxyd/internal/freeport"
+	"github.com/proxyd/proxyd/internal/syncbuf"
 )
 
 // notifySocket collects sd_notify datagrams.
@@ -250,11 +251,11 @@ func TestDaemonSignals(t *testing.T) {
 // runBinary starts `proxyd run -config cfgPath` with env added to this
 // process's environment. It is killed when the test ends, and its stderr is
 // logged if the test failed; exited receives its exit.
-func runBinary(t *testing.T, bin, cfgPath string, env ...string) (*exec.Cmd, *lockedWriter, chan error) {
+func runBinary(t *testing.T, bin, cfgPath string, env ...string) (*exec.Cmd, *syncbuf.Buffer, chan error) {
 	t.Helper()
 	cmd := exec.Command(bin, "run", "-config", cfgPath)
 	cmd.Env = append(os.Environ(), env...)
-	stderr := &lockedWriter{w: &bytes.Buffer{}}
+	stderr := &syncbuf.Buffer{}
 	cmd.Stderr = stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -3,7 +3,6 @@
 package socks5
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -12,12 +11,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/proxyd/proxyd/internal/freeport"
+	"github.com/proxyd/proxyd/internal/syncbuf"
 )
 
 const dantedPath = "/usr/sbin/danted"
@@ -73,7 +72,7 @@ socks pass {
 	// Foreground is danted's default (-D would daemonize); -N 1: one server
 	// process. Its own process group lets cleanup end the children it forks.
 	cmd := exec.Command(dantedPath, "-f", confPath, "-N", "1", "-p", filepath.Join(dir, "danted.pid"))
-	var stderr syncBuffer
+	var stderr syncbuf.Buffer
 	cmd.Stdout, cmd.Stderr = &stderr, &stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
@@ -117,23 +116,6 @@ socks pass {
 			t.Fatalf("danted did not accept on %s in time:\n%s", addr, stderr.String())
 		}
 	}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func TestInteropDante(t *testing.T) {
