@@ -76,26 +76,21 @@ func (t *tunnel) pump(dst, src net.Conn) int64 {
 }
 
 // idleDeadline keeps a connection's read deadline (or, with write, its
-// write deadline) IdleTimeout ahead, moving it at most once a second (or
-// every half IdleTimeout, when that is shorter): each move is a timer
-// update, and bulk transfers come back here many times a second. The
-// deadline is never less than half IdleTimeout ahead when a read or write
-// starts.
+// write deadline) IdleTimeout ahead: arm moves it before every read or
+// write. (It used to move it at most once a second, to save timer updates
+// on bulk transfers; the rig could not tell that from noise, see
+// BENCHMARKS.md, so it went.)
 type idleDeadline struct {
 	conn  net.Conn
 	idle  time.Duration
 	write bool
-	last  time.Time // when it was last moved
 }
 
 func (d *idleDeadline) arm() {
-	if now := time.Now(); now.Sub(d.last) > min(time.Second, d.idle/2) {
-		if d.write {
-			_ = d.conn.SetWriteDeadline(now.Add(d.idle))
-		} else {
-			_ = d.conn.SetReadDeadline(now.Add(d.idle))
-		}
-		d.last = now
+	if d.write {
+		_ = d.conn.SetWriteDeadline(time.Now().Add(d.idle))
+	} else {
+		_ = d.conn.SetReadDeadline(time.Now().Add(d.idle))
 	}
 }
 
@@ -140,8 +135,7 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 			t.halfClose(dst)
 			return n
 		}
-		if t.stillActive(src, err) {
-			deadline.last = time.Time{}
+		if t.stillActive(err) {
 			continue
 		}
 		t.closeBoth()
@@ -149,16 +143,12 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 	}
 }
 
-// stillActive reports, after a read deadline fired on src, whether the other
-// direction moved data recently; then the deadline is pushed out.
-func (t *tunnel) stillActive(src net.Conn, err error) bool {
+// stillActive reports, after a read deadline fired on a direction's
+// source, whether the other direction moved data within IdleTimeout; then
+// the direction waits on, its deadline moved out again by the next arm.
+func (t *tunnel) stillActive(err error) bool {
 	if !isTimeout(err) {
 		return false
 	}
-	last := time.Unix(0, t.lastSeen.Load())
-	if time.Since(last) >= t.idle {
-		return false
-	}
-	_ = src.SetReadDeadline(last.Add(t.idle))
-	return true
+	return time.Since(time.Unix(0, t.lastSeen.Load())) < t.idle
 }

@@ -5,7 +5,6 @@ import (
 	"net"
 	"os"
 	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -37,8 +36,7 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 			err = w.err
 		}
 		if err != nil {
-			if t.stillActive(src, err) {
-				deadline.last = time.Time{}
+			if t.stillActive(err) {
 				continue
 			}
 			t.closeBoth()
