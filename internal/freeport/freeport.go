@@ -38,7 +38,7 @@ func Port(t testing.TB) int {
 	t.Helper()
 	mu.Lock()
 	defer mu.Unlock()
-	if top := ephemeralStart(); top > lowest+1000 {
+	if top, ok := below(); ok {
 		for range 200 {
 			p := lowest + rand.IntN(top-lowest)
 			if issued[p] {
@@ -52,6 +52,8 @@ func Port(t testing.TB) int {
 			issued[p] = true
 			return p
 		}
+		// Falling back to the kernel's pick would bring the race back unseen.
+		t.Fatalf("freeport: no free port in 200 tries below the ephemeral range [%d, %d)", lowest, top)
 	}
 	// No range to stay out of (not Linux, or an unusual range): the kernel's pick.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -68,6 +70,13 @@ func Port(t testing.TB) int {
 func Addr(t testing.TB) string {
 	t.Helper()
 	return net.JoinHostPort("127.0.0.1", strconv.Itoa(Port(t)))
+}
+
+// below returns the first port of the ephemeral range, and whether the
+// ports from lowest up to it are enough to pick from.
+func below() (top int, ok bool) {
+	top = ephemeralStart()
+	return top, top > lowest+1000
 }
 
 // ephemeralStart is the first port of Linux's ephemeral range, or 0 when
