@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: tools the tests need, go vet, go test -race over every
-# package, every benchmark run once, then short fuzz runs of every fuzz target. Under CI=true a missing
-# tool fails the run instead of letting its tests skip.
+# package, every benchmark run once, then short fuzz runs of every fuzz
+# target. Under CI=true a missing tool fails the run instead of letting its
+# tests skip.
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"golang.org/x/sys/unix"
-
 	"bufio"
 	"bytes"
 	"fmt"
@@ -19,6 +17,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/proxyd/proxyd/agent/providersim"
 	"github.com/proxyd/proxyd/internal/freeport"
