@@ -361,7 +361,7 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			retries++
 		}
 		attempts++
-		t := lp.begin(up, false)
+		t, _ := lp.begin(up, false)
 		if j.plain && j.clock == nil { // the first send starts the response clock
 			j.clock = newUpstreamClock(l.cfg.ResponseTimeout, lp.expire)
 			defer j.clock.stop()
@@ -449,20 +449,23 @@ func hedgeable(up *pool.Upstream, key string) bool {
 	return key == "" && up.Protocol == pool.HTTP && up.Kind != pool.PPR
 }
 
-// begin starts an attempt through up.
-func (lp *loop) begin(up *pool.Upstream, hedge bool) *try {
-	t := &try{up: up, start: time.Now(), hedge: hedge}
+// begin starts an attempt through up. live is false when the job was over
+// before it began (the attempt is born cancelled and sends nothing).
+func (lp *loop) begin(up *pool.Upstream, hedge bool) (t *try, live bool) {
+	t = &try{up: up, start: time.Now(), hedge: hedge}
 	t.ctx, t.cancel = context.WithCancelCause(lp.base)
 	lp.mu.Lock()
+	defer lp.mu.Unlock()
 	lp.inflight = append(lp.inflight, t)
 	switch {
 	case lp.expired:
 		t.cancel(errResponseTimeout)
 	case lp.winner != nil: // a hedge sent just as the first attempt answered
 		t.cancel(errCalledOff)
+	default:
+		return t, true
 	}
-	lp.mu.Unlock()
-	return t
+	return t, false
 }
 
 // sendHedge runs on the hedge timer: first has no answer head after
@@ -491,9 +494,11 @@ func (lp *loop) sendHedge(first *try, done chan struct{}) {
 		close(done)
 		return
 	}
-	h := lp.begin(up, true)
+	h, live := lp.begin(up, true)
 	lp.hedge = h // read by the loop after done is closed
-	l.obs.Hedged()
+	if live {
+		l.obs.Hedged()
+	}
 	go func() {
 		defer close(done)
 		h.res = lp.j.do(h.ctx, up)

@@ -429,3 +429,34 @@ func TestCloseUnderLoad(t *testing.T) {
 		p.waitBalanced(t)
 	}
 }
+
+// TestBeginAfterTheEnd: an attempt begun once the job is over (a winner
+// answered, or response_timeout ran out, between the hedge timer's check
+// and its begin) is born cancelled and reported not live, so the hedge it
+// would have been is not counted as sent.
+func TestBeginAfterTheEnd(t *testing.T) {
+	up := &pool.Upstream{}
+	for _, tc := range []struct {
+		name  string
+		set   func(*loop)
+		live  bool
+		cause error
+	}{
+		{"open", func(*loop) {}, true, nil},
+		{"won", func(lp *loop) { lp.winner = &try{} }, false, errCalledOff},
+		{"expired", func(lp *loop) { lp.expired = true }, false, errResponseTimeout},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lp := &loop{base: context.Background()}
+			tc.set(lp)
+			tr, live := lp.begin(up, true)
+			defer tr.cancel(nil)
+			if live != tc.live || context.Cause(tr.ctx) != tc.cause {
+				t.Errorf("begin: live %v, cause %v; want %v, %v", live, context.Cause(tr.ctx), tc.live, tc.cause)
+			}
+			if len(lp.inflight) != 1 || lp.inflight[0] != tr {
+				t.Errorf("inflight %v, want the attempt (settle releases it)", lp.inflight)
+			}
+		})
+	}
+}
