@@ -24,8 +24,10 @@ const maxBadLineLen = 200
 //   - lines with LF or CRLF endings, blank lines and '#' comments skipped,
 //     with or without a final newline;
 //   - ip:port, ip:port@login:password, login:password@ip:port,
-//     ip:port:login:password (a@b lines are read by which side is a host with
-//     a numeric port), optionally behind a scheme such as http://;
+//     ip:port:login:password, login:password:ip:port (a line that reads
+//     both ways, as a login with a numeric password does, is read with the
+//     IP address, else the dotted name, as its host), optionally behind a
+//     scheme such as http://;
 //   - csv with or without a header row, as host,port[,login,password] or
 //     ip:port[,login,password], or one txt form per row;
 //   - a JSON array (or {"data": [...]}) of such strings or of objects with
@@ -510,6 +512,11 @@ var schemes = [...]string{"http://", "https://", "socks5://", "socks5h://", "soc
 // parseProxyLine reads one txt form: ip:port, ip:port@login:password,
 // login:password@ip:port, ip:port:login:password, login:password:ip:port,
 // with IPv6 hosts in brackets.
+//
+// A login and a numeric password look like a host name and a port
+// ("PPR123:4567@192.0.2.21:3081"), so when a line reads both ways the
+// reading whose host looks more like a proxy's host is taken (hostRank);
+// on a tie, the host-first form (the provider's documented one).
 func parseProxyLine(s string) (Entry, bool) {
 	s = strings.TrimSpace(s)
 	for _, sc := range schemes {
@@ -522,18 +529,23 @@ func parseProxyLine(s string) (Entry, bool) {
 		return Entry{}, false
 	}
 	if i := strings.IndexByte(s, '@'); i >= 0 {
-		// ip:port@login:password (the provider's documented form) first,
-		// then login:password@ip:port; the password may hold '@'.
+		// ip:port@login:password (the provider's documented form) or
+		// login:password@ip:port; the password may hold '@'.
+		var hostFirst, credsFirst Entry
+		okA, okB := false, false
 		if h, pt, ok := parseHostPort(s[:i]); ok {
 			if login, pw, ok := splitCreds(s[i+1:]); ok {
-				return Entry{Host: h, Port: pt, Login: login, Password: pw}, true
+				hostFirst, okA = Entry{Host: h, Port: pt, Login: login, Password: pw}, true
 			}
 		}
 		j := strings.LastIndexByte(s, '@')
 		if h, pt, ok := parseHostPort(s[j+1:]); ok {
 			if login, pw, ok := splitCreds(s[:j]); ok {
-				return Entry{Host: h, Port: pt, Login: login, Password: pw}, true
+				credsFirst, okB = Entry{Host: h, Port: pt, Login: login, Password: pw}, true
 			}
+		}
+		if e, ok := likelier(hostFirst, okA, credsFirst, okB); ok {
+			return e, true
 		}
 		// Else an '@' inside the password of ip:port:login:password.
 	}
@@ -562,17 +574,52 @@ func parseProxyLine(s string) (Entry, bool) {
 		h, pt, ok := parseHostPort(s)
 		return Entry{Host: h, Port: pt}, ok
 	case 4:
+		// ip:port:login:password (the password may hold ':') or
+		// login:password:ip:port (the password without ':').
+		var hostFirst, credsFirst Entry
+		okA, okB := false, false
 		if pt, ok := parsePort(parts[1]); ok && validHost(parts[0]) && parts[2] != "" {
-			return Entry{Host: parts[0], Port: pt, Login: parts[2], Password: parts[3]}, true
+			hostFirst, okA = Entry{Host: parts[0], Port: pt, Login: parts[2], Password: parts[3]}, true
 		}
-		// login:password:ip:port, the password without ':'.
 		if strings.Count(s, ":") == 3 {
 			if pt, ok := parsePort(parts[3]); ok && validHost(parts[2]) && parts[0] != "" {
-				return Entry{Host: parts[2], Port: pt, Login: parts[0], Password: parts[1]}, true
+				credsFirst, okB = Entry{Host: parts[2], Port: pt, Login: parts[0], Password: parts[1]}, true
 			}
 		}
+		return likelier(hostFirst, okA, credsFirst, okB)
 	}
 	return Entry{}, false
+}
+
+// likelier picks between the host-first and the credentials-first reading
+// of a line: the one that parsed, else the one whose host ranks higher,
+// else the host-first one.
+func likelier(hostFirst Entry, okA bool, credsFirst Entry, okB bool) (Entry, bool) {
+	switch {
+	case okA && okB:
+		if hostRank(credsFirst.Host) > hostRank(hostFirst.Host) {
+			return credsFirst, true
+		}
+		return hostFirst, true
+	case okA:
+		return hostFirst, true
+	case okB:
+		return credsFirst, true
+	}
+	return Entry{}, false
+}
+
+// hostRank says how much a valid host looks like a proxy's host rather
+// than a login: an IP address (2), a dotted name (1), a single label such
+// as "PPR123" (0), which is what logins look like.
+func hostRank(h string) int {
+	if _, err := netip.ParseAddr(unbracket(h)); err == nil {
+		return 2
+	}
+	if strings.Contains(h, ".") {
+		return 1
+	}
+	return 0
 }
 
 // splitCreds splits login:password; the password may hold ':'.

@@ -110,6 +110,33 @@ func TestParseIPListAmbiguousAt(t *testing.T) {
 	}
 }
 
+// A login with a numeric password reads like host:port; the reading whose
+// host is an IP address (or a dotted name, against a bare label) wins, in
+// either order and with '@' or ':' between the halves.
+func TestParseProxyLineNumericPassword(t *testing.T) {
+	gw := Entry{Host: "192.0.2.21", Port: 3081, Login: "PPR123", Password: "4567"}
+	named := Entry{Host: "gw.example.net", Port: 3081, Login: "PPR123", Password: "4567"}
+	for _, tc := range []struct {
+		line string
+		want Entry
+	}{
+		{"PPR123:4567@192.0.2.21:3081", gw},
+		{"192.0.2.21:3081@PPR123:4567", gw},
+		{"PPR123:4567:192.0.2.21:3081", gw},
+		{"192.0.2.21:3081:PPR123:4567", gw},
+		{"PPR123:4567@gw.example.net:3081", named},
+		{"gw.example.net:3081@PPR123:4567", named},
+		{"PPR123:4567:gw.example.net:3081", named},
+		{"gw.example.net:3081:PPR123:4567", named},
+		{"http://PPR123:4567@192.0.2.21:3081", gw},
+	} {
+		e, ok := parseProxyLine(tc.line)
+		if !ok || e != tc.want {
+			t.Errorf("%q: got %+v ok=%v, want %+v", tc.line, e, ok, tc.want)
+		}
+	}
+}
+
 func TestParseIPListBadLines(t *testing.T) {
 	body := "10.0.0.1:8080\r\n" +
 		"garbage\r\n" +
