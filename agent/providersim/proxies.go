@@ -2,6 +2,7 @@ package providersim
 
 import (
 	"bufio"
+	"context"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -45,10 +46,15 @@ type Proxy struct {
 	accepted       atomic.Int64
 	protocolErrors atomic.Int64
 
-	mu    sync.Mutex
+	mu sync.Mutex
+	// conns are every connection the proxy holds, its clients' and the
+	// ones it opened to destinations, so that Down can end them all.
 	conns map[net.Conn]struct{}
 	down  bool
-	wg    sync.WaitGroup
+	// stopDials cancels the dials to destinations in progress (Down).
+	stopDials context.Context
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
 }
 
 // StartProxy listens on addr (e.g. "127.0.0.1:0") and serves protocol
@@ -72,6 +78,7 @@ func (p *Proxy) listen(addr string) error {
 	}
 	p.mu.Lock()
 	p.ln, p.addr, p.down = ln, ln.Addr().String(), false
+	p.stopDials, p.cancel = context.WithCancel(context.Background())
 	p.mu.Unlock()
 	// Set before the first connection is served, and only while no
 	// connection is (StartProxy, or Up after Down has waited for them).
@@ -88,7 +95,10 @@ func (p *Proxy) listen(addr string) error {
 func (p *Proxy) Addr() string { return p.addr }
 
 // Down stops the proxy and cuts its connections, as if the server died; Up
-// brings it back on the same address.
+// brings it back on the same address. It returns once every connection the
+// proxy served or opened is closed: those to destinations as well (a plain
+// request waiting for a silent origin ends with them), and dials in
+// progress are cancelled.
 func (p *Proxy) Down() {
 	p.mu.Lock()
 	if p.down {
@@ -97,6 +107,7 @@ func (p *Proxy) Down() {
 	}
 	p.down = true
 	ln := p.ln
+	p.cancel()
 	for c := range p.conns {
 		c.Close()
 	}
@@ -197,8 +208,12 @@ const socks5Version = 5
 // tokens, and every method in use starts with an upper-case letter.
 func httpMethodByte(b byte) bool { return b >= 'A' && b <= 'Z' }
 
+// errDown is a dial refused because the proxy went down.
+var errDown = errors.New("providersim: proxy is down")
+
 // dial connects to a destination, from the proxy's own IP when it has one
-// that can reach the destination.
+// that can reach the destination. The connection is tracked so that Down
+// closes it; release it with p.hangUp.
 func (p *Proxy) dial(hostport string) (net.Conn, error) {
 	d := net.Dialer{Timeout: 5 * time.Second}
 	if p.source != nil {
@@ -208,7 +223,24 @@ func (p *Proxy) dial(hostport string) (net.Conn, error) {
 			d.LocalAddr = &net.TCPAddr{IP: p.source}
 		}
 	}
-	return d.Dial("tcp", hostport)
+	p.mu.Lock()
+	ctx := p.stopDials
+	p.mu.Unlock()
+	up, err := d.DialContext(ctx, "tcp", hostport)
+	if err != nil {
+		return nil, err
+	}
+	if !p.track(up, true) {
+		up.Close()
+		return nil, errDown
+	}
+	return up, nil
+}
+
+// hangUp closes a connection dial opened and stops tracking it.
+func (p *Proxy) hangUp(up net.Conn) {
+	p.track(up, false)
+	up.Close()
 }
 
 func (p *Proxy) serveSOCKS(c net.Conn, br *bufio.Reader) {
@@ -233,7 +265,7 @@ func (p *Proxy) serveSOCKS(c net.Conn, br *bufio.Reader) {
 		socks5.WriteReply(c, socks5.ReplyConnectionRefused, socks5.Addr{})
 		return
 	}
-	defer up.Close()
+	defer p.hangUp(up)
 	if err := socks5.WriteReply(c, socks5.ReplySucceeded, socks5.Addr{}); err != nil {
 		return
 	}
@@ -271,7 +303,7 @@ func (p *Proxy) serveHTTP(c net.Conn, br *bufio.Reader) {
 				io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
 				return
 			}
-			defer up.Close()
+			defer p.hangUp(up)
 			io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n")
 			pipe(c, br, up)
 			return
@@ -297,7 +329,7 @@ func (p *Proxy) forward(c net.Conn, req *http.Request) bool {
 		io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
 		return false
 	}
-	defer up.Close()
+	defer p.hangUp(up)
 	req.Header.Del("Proxy-Authorization")
 	req.Header.Del("Proxy-Connection")
 	req.RequestURI = ""

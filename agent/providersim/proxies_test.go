@@ -134,3 +134,56 @@ func TestProxyDownEndsOpenTunnels(t *testing.T) {
 		t.Fatal("Down waits for a tunnel whose destination stays open")
 	}
 }
+
+// Down ends a plain-HTTP request waiting for an origin that never answers:
+// the proxy closes its connection to the origin too, not only the
+// client's.
+func TestProxyDownEndsRequestWaitingOnSilentOrigin(t *testing.T) {
+	origin, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer origin.Close()
+	held := make(chan net.Conn, 1)
+	go func() {
+		if c, err := origin.Accept(); err == nil {
+			held <- c // read, never answered
+		}
+	}()
+	hp, err := StartProxy("http", "127.0.0.1:0", "h1", "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hp.Close()
+	c, err := net.Dial("tcp", hp.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "GET http://%s/ HTTP/1.1\r\nHost: %[1]s\r\n\r\n", origin.Addr())
+	var dest net.Conn
+	select {
+	case dest = <-held:
+		defer dest.Close()
+	case <-time.After(5 * time.Second):
+		t.Fatal("the origin saw no connection")
+	}
+	// The request has reached the origin: the proxy now waits for its
+	// answer.
+	_ = dest.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := http.ReadRequest(bufio.NewReader(dest)); err != nil {
+		t.Fatalf("the origin got no request: %v", err)
+	}
+	down := make(chan struct{})
+	go func() { hp.Down(); close(down) }()
+	select {
+	case <-down:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Down waits for a plain request whose origin never answers")
+	}
+	// The origin sees its connection closed.
+	_ = dest.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := dest.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("origin connection after Down: read %d, %v; want EOF", n, err)
+	}
+}
