@@ -110,6 +110,9 @@ type ServiceState struct {
 	Rate, Limit float64            // ppr usage; HasUsage when known
 	HasUsage    bool
 	ListsKnown  bool // every needed list was fetched at least once
+	// StatusKnown: both network-status lists were fetched at least once
+	// (in one round). Each list is updated whenever its own fetch
+	// succeeds; one whose fetch fails keeps its last good value.
 	StatusKnown bool
 	// Resolved maps each sticky session's server that is not an IP address
 	// to the addresses it resolved to in the last lists round: how a
@@ -761,25 +764,29 @@ func (p *Poller) pollStatus(ctx context.Context) error {
 	client, _, gen := p.current()
 	var firstErr error
 	for _, id := range p.served() {
-		errored, err := client.NetworkErrors(ctx, id)
+		// Each list is applied when its own fetch succeeded; the other
+		// keeps its last good value.
+		errored, eerr := client.NetworkErrors(ctx, id)
 		p.beat(LoopStatus)
-		if err != nil {
-			if firstErr == nil {
-				firstErr = fmt.Errorf("polling network errors of service %d: %w", id, err)
-			}
-			continue
+		if eerr != nil && firstErr == nil {
+			firstErr = fmt.Errorf("polling network errors of service %d: %w", id, eerr)
 		}
-		inactive, err := client.NetworkInactive(ctx, id)
+		inactive, ierr := client.NetworkInactive(ctx, id)
 		p.beat(LoopStatus)
-		if err != nil {
-			if firstErr == nil {
-				firstErr = fmt.Errorf("polling inactive servers of service %d: %w", id, err)
-			}
-			continue
+		if ierr != nil && firstErr == nil {
+			firstErr = fmt.Errorf("polling inactive servers of service %d: %w", id, ierr)
 		}
 		p.mu.Lock()
 		if st := p.services[id]; st != nil && p.gen == gen {
-			st.Errored, st.Inactive, st.StatusKnown = errored, inactive, true
+			if eerr == nil {
+				st.Errored = errored
+			}
+			if ierr == nil {
+				st.Inactive = inactive
+			}
+			if eerr == nil && ierr == nil {
+				st.StatusKnown = true
+			}
 		}
 		p.mu.Unlock()
 	}

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -441,5 +442,47 @@ func TestPollOnceUnknownLoop(t *testing.T) {
 		if err := p.PollOnce(context.Background(), l); err == nil {
 			t.Errorf("PollOnce(%d) succeeded", l)
 		}
+	}
+}
+
+// When the errored list is fetched and the inactive one fails, the fresh
+// errored list is applied and the inactive one keeps its last good value;
+// the round still reports the failure.
+func TestPollerStatusAppliesErroredWhenInactiveFails(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	var failInactive atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if failInactive.Load() && strings.HasPrefix(r.URL.Path, "/api/networkstatus/inactive/") {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services = []int{101} }), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	sim.MarkInactive(101, "10.0.0.3")
+	if err := p.PollOnce(ctx, LoopStatus); err != nil {
+		t.Fatal(err)
+	}
+	failInactive.Store(true)
+	sim.MarkErrored(101, "10.0.0.1")
+	if err := p.PollOnce(ctx, LoopStatus); err == nil {
+		t.Error("the round reported no error while the inactive list failed")
+	}
+	st := serviceByID(p.Snapshot(), 101)
+	if !st.StatusKnown || !slices.Equal(st.Errored, []string{"10.0.0.1"}) || !slices.Equal(st.Inactive, []string{"10.0.0.3"}) {
+		t.Errorf("known %v, errored %v, inactive %v; want known, errored [10.0.0.1], inactive [10.0.0.3] kept",
+			st.StatusKnown, st.Errored, st.Inactive)
 	}
 }
