@@ -213,11 +213,11 @@ type Prober interface {
 }
 
 // Hooks are told about events, for metrics and the state file. Any may be
-// nil. Failure, Ejected and Rotated are called synchronously on the
-// connection path and must be quick; Changed is called from Run's goroutine,
-// coalesced.
+// nil. Failure, Ejected and Rotated are called synchronously where the event
+// happens (the connection path, an active probe, a rotation) and must be
+// quick; Changed is called from Run's goroutine, coalesced.
 type Hooks struct {
-	Failure func(service int, r Result)      // an upstream failure was reported
+	Failure func(service int, r Result)      // an upstream failure was reported by a connection or a probe
 	Ejected func(service int)                // an upstream was ejected
 	Rotated func(service int, result string) // a rotation ended: "ok", "error", or "rate_limited" (by the provider, or held back within RotateInterval)
 	Changed func()                           // the set or its state changed

@@ -155,13 +155,8 @@ func (p *Pool) succeeded(h *host) {
 }
 
 func (p *Pool) failed(h *host, r Result) {
-	h.reason.Store(uint32(r))
-	h.failures.Add(1)
+	u := p.countFailure(h, r)
 	c := h.consec.Add(1)
-	u := h.cur.Load()
-	if f := p.opts.Hooks.Failure; f != nil {
-		f(u.Service, r)
-	}
 	if u.Kind == PPR && u.Session != "" {
 		p.requestRotate(h)
 	}
@@ -174,6 +169,20 @@ func (p *Pool) failed(h *host, r Result) {
 	if c >= int64(p.cfg.Load().FailureThreshold) {
 		p.eject(h)
 	}
+}
+
+// countFailure records a failure of h itself, reported by a connection or
+// by a probe: its reason, the failures /pool shows and the Failure hook
+// (proxyd_upstream_failures_total), which must agree. It returns h's
+// current upstream.
+func (p *Pool) countFailure(h *host, r Result) *Upstream {
+	h.reason.Store(uint32(r))
+	h.failures.Add(1)
+	u := h.cur.Load()
+	if f := p.opts.Hooks.Failure; f != nil {
+		f(u.Service, r)
+	}
+	return u
 }
 
 // eject takes h out of rotation unless that would put a listener slice

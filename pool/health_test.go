@@ -329,6 +329,35 @@ func TestActiveProbe(t *testing.T) {
 	p.stopRotations()
 }
 
+// A failed probe is a failure of the upstream like any other: /pool's count
+// and the Failure hook (proxyd_upstream_failures_total) move together.
+func TestFailedProbeCountsAsFailure(t *testing.T) {
+	clk := newClock()
+	var hooked []Result
+	prober := proberFunc(func(context.Context, *Upstream) Result { return HandshakeTimeout })
+	p, err := New(conf(func(c *Config) { c.MaxEjectedPercent = 100; c.ProbeInterval = time.Hour }), Options{
+		Now: clk.Now, Rand: midRand, Prober: prober,
+		Hooks: Hooks{Failure: func(_ int, r Result) { hooked = append(hooked, r) }},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.stopRotations()
+	set := ups(1, 3)
+	p.Update(set)
+	u := handle(p, set[0])
+	fail(p, u, 3)
+	clk.Advance(30 * time.Second) // the ejection is over: the probe is its trial
+	p.probeOnce(context.Background())
+	s := stateOf(t, p, u.ID())
+	if s.State != Ejected || s.Ejections != 2 || s.Reason != "handshake_timeout" {
+		t.Errorf("after a failed probe: %+v", s)
+	}
+	if s.Failures != 4 || len(hooked) != 4 || hooked[3] != HandshakeTimeout {
+		t.Errorf("/pool counts %d failures, the Failure hook was told %v", s.Failures, hooked)
+	}
+}
+
 type proberFunc func(context.Context, *Upstream) Result
 
 func (f proberFunc) Probe(ctx context.Context, u *Upstream) Result { return f(ctx, u) }

@@ -105,8 +105,7 @@ func (p *Pool) probeOnce(ctx context.Context) {
 		case r == Success:
 			p.readmit(h, p.now().UnixNano())
 		case r.UpstreamFault() && p.now().UnixNano() >= h.ejectedUntil.Load():
-			h.failures.Add(1)
-			h.reason.Store(uint32(r))
+			p.countFailure(h, r)
 			p.reeject(h) // it was probing: the probe was its trial
 		default:
 			h.trial.Store(false)
