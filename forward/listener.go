@@ -242,13 +242,12 @@ func (l *Listener) awaitFirstRequests(ctx context.Context, accepting <-chan stru
 	_ = pollUntil(ctx, 2*time.Millisecond, func() bool { return l.fresh.Load() == 0 })
 }
 
-// pollUntil checks done every so often until it holds (nil) or ctx ends
-// (ctx's error).
+// pollUntil checks done, first after every, then at twice the last
+// interval up to pollCap, until it holds (nil) or ctx ends (ctx's error). A
+// drain that a long tunnel keeps open (a listener retired by a reload waits
+// for its tunnels to end) thus wakes a few times a second, not a hundred.
 func pollUntil(ctx context.Context, every time.Duration, done func() bool) error {
-	if done() {
-		return nil
-	}
-	t := time.NewTicker(every)
+	t := time.NewTimer(every)
 	defer t.Stop()
 	for !done() {
 		select {
@@ -256,9 +255,14 @@ func pollUntil(ctx context.Context, every time.Duration, done func() bool) error
 			return ctx.Err()
 		case <-t.C:
 		}
+		every = min(2*every, pollCap)
+		t.Reset(every)
 	}
 	return nil
 }
+
+// pollCap is the longest interval between pollUntil's checks.
+const pollCap = 100 * time.Millisecond
 
 func (l *Listener) unfresh(cc *clientConn) {
 	if cc.fresh.CompareAndSwap(true, false) {

@@ -51,6 +51,11 @@ type daemon struct {
 
 	ready   chan struct{} // closed once every listener accepts
 	stop    chan struct{} // closed by Close
+	// Incarnations a reload retired keep their connections until those end
+	// or proxyd's own drain does (retiring ends); retired counts them.
+	retiring    context.Context
+	endRetiring context.CancelFunc
+	retired     sync.WaitGroup
 	stopped chan struct{} // closed when Run returned
 	once    sync.Once
 	wg      sync.WaitGroup
@@ -92,6 +97,7 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 		stop:      make(chan struct{}),
 		stopped:   make(chan struct{}),
 	}
+	d.retiring, d.endRetiring = context.WithCancel(context.Background())
 	var err error
 	d.metrics, err = metrics.New(d.reg, metrics.Options{
 		Version:   version,
@@ -298,7 +304,8 @@ func (d *daemon) startListener(lc listenerConfig, acc *acceptor) error {
 }
 
 // shutdownListeners stops every accept at once, then lets the open
-// connections finish until ctx ends.
+// connections finish until ctx ends, those of incarnations a reload retired
+// included.
 func (d *daemon) shutdownListeners(ctx context.Context) {
 	d.mu.Lock()
 	d.running = false
@@ -322,6 +329,9 @@ func (d *daemon) shutdownListeners(ctx context.Context) {
 		}()
 	}
 	wg.Wait()
+	stop := context.AfterFunc(ctx, d.endRetiring)
+	d.retired.Wait()
+	stop()
 }
 
 func (d *daemon) closeListeners() {

@@ -418,16 +418,16 @@ func (d *daemon) reattach(rl *runningListener) {
 	d.retire(rl) // its accept loop ended when the socket was taken
 }
 
-// retire lets an incarnation's open connections finish within the drain
-// timeout, in the background; d.mu is held.
+// retire stops an incarnation from taking connections and lets the ones it
+// has finish, in the background: a reload does not cut a tunnel, whichever
+// key changed (idle_timeout still ends the idle ones, and the new
+// incarnation's rules apply to every new connection). When proxyd stops,
+// they get the same drain_timeout as everything else; d.mu is held.
 func (d *daemon) retire(rl *runningListener) {
-	drain := d.cfg.Shutdown.DrainTimeout
-	d.wg.Add(1)
+	d.retired.Add(1)
 	go func() {
-		defer d.wg.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), drain)
-		defer cancel()
-		rl.l.Shutdown(ctx)
+		defer d.retired.Done()
+		rl.l.Shutdown(d.retiring)
 		rl.l.Close()
 	}()
 }

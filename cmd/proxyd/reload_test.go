@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -12,6 +13,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
@@ -136,8 +138,8 @@ func TestReloadRefusedChangesNothing(t *testing.T) {
 
 // TestReloadRefusedListenerChangesNothing: a reload that changes a listener
 // and adds one on a port that is taken is refused before anything changes:
-// the changed listener keeps running as it was (a tunnel through it stays
-// open past the drain timeout), the pool keeps its strategy.
+// the changed listener keeps running as it was (the same incarnation, with
+// its config; a tunnel through it stays open), the pool keeps its strategy.
 func TestReloadRefusedListenerChangesNothing(t *testing.T) {
 	w := newWorld(t)
 	fixed := freeport.Addr(t)
@@ -149,6 +151,9 @@ func TestReloadRefusedListenerChangesNothing(t *testing.T) {
 	tunnel := connectTunnel(t, fixed, echoServer(t))
 	defer tunnel.Close()
 	roundTrip(t, tunnel, "before")
+	e.d.mu.Lock()
+	before := e.d.listeners["http"]
+	e.d.mu.Unlock()
 	busy, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -166,6 +171,12 @@ func TestReloadRefusedListenerChangesNothing(t *testing.T) {
 	}
 	if got := e.d.pool.Config().Strategy; got != pool.RoundRobin {
 		t.Errorf("pool strategy after a refused reload: %q", got)
+	}
+	e.d.mu.Lock()
+	after := e.d.listeners["http"]
+	e.d.mu.Unlock()
+	if after != before || !reflect.DeepEqual(after.cfg, e.cfg.Listener[0]) {
+		t.Errorf("the listener after a refused reload: %+v, want the incarnation that ran before", after.cfg)
 	}
 	time.Sleep(2 * e.cfg.Shutdown.DrainTimeout) // past a drain that must not have begun
 	roundTrip(t, tunnel, "after the refused reload")
@@ -532,4 +543,56 @@ func TestReloadRemovedUser(t *testing.T) {
 	}
 	defer alice.Close()
 	roundTrip(t, alice, "alice")
+}
+
+// TestReloadKeepsTunnels: a reload that changes a listener, whatever the
+// key, leaves the tunnels open through it running past drain_timeout (they
+// finish; the new incarnation takes the new connections). When proxyd then
+// stops, those tunnels get its drain_timeout like every other, and no more.
+func TestReloadKeepsTunnels(t *testing.T) {
+	const drain = 200 * time.Millisecond
+	for _, tc := range []struct {
+		name   string
+		change func(c *config)
+	}{
+		{"another user removed", func(c *config) { c.Listener[0].Users = c.Listener[0].Users[1:] }},
+		{"idle_timeout", func(c *config) { c.Listener[0].IdleTimeout = 10 * time.Minute }},
+		{"kind", func(c *config) { c.Listener[0].Kind = "fpr" }},
+		{"max_connections", func(c *config) { c.Listener[0].MaxConnections = 77 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := startDaemon(t, newWorld(t), t.TempDir(), func(c *config) {
+				c.Shutdown.DrainTimeout = drain
+				c.Listener[0].Users = []forward.User{{Name: "alice", Password: "pa"}, {Name: "bob", Password: "pb"}}
+			})
+			e.waitReady()
+			bob, code := connectAs(t, e.d.listenerAddr("http"), echoServer(t), "bob", "pb")
+			if code != 200 {
+				t.Fatalf("bob: %d", code)
+			}
+			defer bob.Close()
+			roundTrip(t, bob, "before")
+			next := e.cfg
+			next.Listener = slices.Clone(next.Listener)
+			tc.change(&next)
+			if err := e.d.Reload(next); err != nil {
+				t.Fatal(err)
+			}
+			if e.d.listenerAddr("http") == "" {
+				t.Fatal("no listener after the reload")
+			}
+			time.Sleep(3 * drain) // a drain that began at the reload would have cut the tunnel
+			roundTrip(t, bob, "past drain_timeout")
+
+			start := time.Now()
+			e.d.Close()
+			if took := time.Since(start); took > drain+2*time.Second {
+				t.Errorf("stopping took %s with drain_timeout %s", took, drain)
+			}
+			bob.SetReadDeadline(time.Now().Add(5 * time.Second))
+			if n, err := bob.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Errorf("the retired incarnation's tunnel after proxyd stopped: read %d, %v; want it closed", n, err)
+			}
+		})
+	}
 }
