@@ -51,14 +51,15 @@ type daemon struct {
 
 	ready   chan struct{} // closed once every listener accepts
 	stop    chan struct{} // closed by Close
+	stopped chan struct{} // closed when Run returned
+	once    sync.Once
+	wg      sync.WaitGroup
+
 	// Incarnations a reload retired keep their connections until those end
 	// or proxyd's own drain does (retiring ends); retired counts them.
 	retiring    context.Context
 	endRetiring context.CancelFunc
 	retired     sync.WaitGroup
-	stopped chan struct{} // closed when Run returned
-	once    sync.Once
-	wg      sync.WaitGroup
 }
 
 // runningListener is one served listener and its accept loop.
