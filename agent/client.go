@@ -436,7 +436,9 @@ func (c *Client) send(req *http.Request) (int, http.Header, []byte, error) {
 
 // retryAfter reads a Retry-After header (seconds or an HTTP date) as a UTC
 // time; zero if absent or unreadable. The provider's 429 message is
-// preferred; this covers a proxy or rate limiter in front of it.
+// preferred; this covers a proxy or rate limiter in front of it. The time
+// is reported as named, however far: the poll loops and list updates bound
+// the wait they take from it.
 func retryAfter(v string, now time.Time) time.Time {
 	v = strings.TrimSpace(v)
 	if v == "" {

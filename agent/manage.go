@@ -71,7 +71,8 @@ const (
 	ResultRateLimited = "rate_limited"
 )
 
-// Bounds of the wait a 429 names before the next list update.
+// Bounds of the wait a 429 names before the next list update; the upper one
+// also bounds the wait a 429 imposes on a poll loop (rateLimitWait).
 const (
 	minRateLimitWait = time.Second
 	maxRateLimitWait = time.Hour

@@ -40,7 +40,8 @@ type PollConfig struct {
 	// Jitter is the share of each wait added or removed at random, 0–0.5;
 	// 0 waits exactly the interval.
 	Jitter float64 `toml:"jitter"`
-	// MaxBackoff caps the wait after failures (a 429's named time still wins).
+	// MaxBackoff caps the wait after failures (a 429's named time still
+	// wins, up to maxRateLimitWait).
 	MaxBackoff time.Duration `toml:"max_backoff"`
 
 	// Services are the service IDs to serve (the [api] services key); empty
@@ -291,6 +292,10 @@ func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
 		wait := p.nextWait(p.interval(l), failures, err)
 		if err != nil {
 			p.log.Warn("provider API poll failed", "loop", l.String(), "err", err, "failures", failures, "retry_in", wait.Round(time.Millisecond))
+			if _, named, capped := p.rateLimitWait(err); capped {
+				p.log.Warn("the provider's next allowed time is beyond the longest wait; polling again before it",
+					"loop", l.String(), "next_allowed", named.UTC(), "longest_wait", maxRateLimitWait)
+			}
 		} else {
 			if failures > 0 {
 				p.log.Info("provider API poll recovered", "loop", l.String(), "after_failures", failures)
@@ -389,19 +394,34 @@ func (p *Poller) jitter(d time.Duration) time.Duration {
 
 // nextWait is the time until a loop's next round: the interval with
 // jitter after a success; after failures the backoff, and never before the
-// next-allowed time a 429 named.
+// next-allowed time a 429 named, as far as rateLimitWait allows.
 func (p *Poller) nextWait(interval time.Duration, failures int, err error) time.Duration {
 	if err == nil {
 		return p.jitter(interval)
 	}
 	wait := p.backoff(interval, failures)
-	var apiErr *APIError
-	if errors.As(err, &apiErr) && !apiErr.NextAllowed.IsZero() {
-		if d := apiErr.NextAllowed.Sub(p.now()); d > wait {
-			wait = d
-		}
+	if d, _, _ := p.rateLimitWait(err); d > wait {
+		wait = d
 	}
 	return wait
+}
+
+// rateLimitWait is how long the 429 in err asks to wait: until the time it
+// names, at most maxRateLimitWait (an hour, as for list updates). A
+// Retry-After may name up to 2^31 s, and a loop parked for that long would
+// never poll again; after the hour it asks again, and a 429 that names
+// the time again is honoured again. capped reports that the named time was
+// further away, at named.
+func (p *Poller) rateLimitWait(err error) (wait time.Duration, named time.Time, capped bool) {
+	var apiErr *APIError
+	if !errors.As(err, &apiErr) || apiErr.NextAllowed.IsZero() {
+		return 0, time.Time{}, false
+	}
+	named = apiErr.NextAllowed
+	if d := named.Sub(p.now()); d <= maxRateLimitWait {
+		return d, named, false
+	}
+	return maxRateLimitWait, named, true
 }
 
 // backoff after n consecutive failures: starting at the smaller of the

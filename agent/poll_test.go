@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/internal/syncbuf"
 )
 
 func newPollerForTest(t *testing.T, cfg PollConfig) (*Poller, *providersim.Sim, *[]Snapshot) {
@@ -484,5 +486,47 @@ func TestPollerStatusAppliesErroredWhenInactiveFails(t *testing.T) {
 	if !st.StatusKnown || !slices.Equal(st.Errored, []string{"10.0.0.1"}) || !slices.Equal(st.Inactive, []string{"10.0.0.3"}) {
 		t.Errorf("known %v, errored %v, inactive %v; want known, errored [10.0.0.1], inactive [10.0.0.3] kept",
 			st.StatusKnown, st.Errored, st.Inactive)
+	}
+}
+
+// A 429 whose Retry-After names a time far away (up to 2^31 s can be
+// written) parks a loop for at most maxRateLimitWait, and the loop says so
+// in the log; a nearer time is still honoured in full.
+func TestPollerRateLimitWaitBounded(t *testing.T) {
+	p, _, _ := newPollerForTest(t, DefaultPollConfig())
+	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
+	p.now = func() time.Time { return now }
+	far := &APIError{Status: 429, NextAllowed: retryAfter("2147483647", now)}
+	if w := p.nextWait(30*time.Second, 1, far); w != maxRateLimitWait {
+		t.Errorf("wait after a 429 naming 2^31 s: %v, want %v", w, maxRateLimitWait)
+	}
+	near := &APIError{Status: 429, NextAllowed: now.Add(50 * time.Minute)}
+	if w := p.nextWait(30*time.Second, 1, near); w != 50*time.Minute {
+		t.Errorf("wait after a 429 naming 50m: %v, want 50m", w)
+	}
+
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Retry-After", "2147483647")
+		w.WriteHeader(http.StatusTooManyRequests)
+	}))
+	defer srv.Close()
+	c, err := New(clientConfig(srv.URL, "t", 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logBuf syncbuf.Buffer
+	q, err := NewPoller(c, DefaultPollConfig(), nil, slog.New(slog.NewTextHandler(&logBuf, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); q.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitUntil(t, 5*time.Second, "the capped wait was not logged", func() bool {
+		return strings.Contains(logBuf.String(), "beyond the longest wait")
+	})
+	if out := logBuf.String(); !strings.Contains(out, "retry_in=1h0m0s") || !strings.Contains(out, "longest_wait=1h0m0s") {
+		t.Errorf("log does not show the 1h wait:\n%s", out)
 	}
 }
