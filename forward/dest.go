@@ -2,6 +2,7 @@ package forward
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"strconv"
@@ -139,21 +140,29 @@ func splitHostPort(hostport string, defPort uint16) (string, uint16, error) {
 	return host, uint16(port), nil
 }
 
+// interfaceAddrs is net.InterfaceAddrs; a test makes it fail.
+var interfaceAddrs = net.InterfaceAddrs
+
 // ownAddrs lists the addresses a listener on addr serves on: the address
-// itself, or every interface address when it is unspecified.
-func ownAddrs(addr net.Addr) []netip.AddrPort {
+// itself, or every interface address when it is unspecified. Listing the
+// interfaces takes a netlink socket on Linux; where that is forbidden (a
+// systemd unit whose RestrictAddressFamilies lacks AF_NETLINK) the error
+// says so, and a request to one of the host's public addresses is not
+// recognised as one to proxyd itself (loopback and private ones are refused
+// as such anyway, unless allowed).
+func ownAddrs(addr net.Addr) ([]netip.AddrPort, error) {
 	ta, ok := addr.(*net.TCPAddr)
 	if !ok {
-		return nil
+		return nil, nil
 	}
 	ap := ta.AddrPort()
 	ip := ap.Addr().Unmap()
 	if !ip.IsUnspecified() {
-		return []netip.AddrPort{netip.AddrPortFrom(ip, ap.Port())}
+		return []netip.AddrPort{netip.AddrPortFrom(ip, ap.Port())}, nil
 	}
-	ifAddrs, err := net.InterfaceAddrs()
+	ifAddrs, err := interfaceAddrs()
 	if err != nil {
-		return nil
+		return nil, fmt.Errorf("listing this host's addresses: %w", err)
 	}
 	out := make([]netip.AddrPort, 0, len(ifAddrs))
 	for _, a := range ifAddrs {
@@ -163,7 +172,7 @@ func ownAddrs(addr net.Addr) []netip.AddrPort {
 			}
 		}
 	}
-	return out
+	return out, nil
 }
 
 // prefixes returns the networks' prefixes.

@@ -146,9 +146,12 @@ func (l *Listener) Serve(ln net.Listener) error {
 	accepting := l.accepting
 	l.mu.Unlock()
 	defer close(accepting)
-	l.dest.setOwn(ownAddrs(ln.Addr()))
+	own, err := ownAddrs(ln.Addr())
+	if err != nil {
+		l.log.Warn("requests to this host's own addresses cannot be refused on this listener", "err", err)
+	}
+	l.dest.setOwn(own)
 	al := &acceptor{Listener: ln, l: l}
-	var err error
 	if l.cfg.Protocol == ProtocolHTTP {
 		err = l.serveConns(al, l.serveHTTPConn)
 	} else {

@@ -8,8 +8,10 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -458,5 +460,25 @@ func TestBeginAfterTheEnd(t *testing.T) {
 				t.Errorf("inflight %v, want the attempt (settle releases it)", lp.inflight)
 			}
 		})
+	}
+}
+
+// TestOwnAddrs: a listener on one address owns that address; one on the
+// unspecified address owns every interface address; when the interfaces
+// cannot be listed (a netlink socket forbidden), the error says so instead
+// of an empty list passing for "nothing of ours".
+func TestOwnAddrs(t *testing.T) {
+	one, err := ownAddrs(&net.TCPAddr{IP: net.IPv4(192, 0, 2, 7), Port: 8080})
+	if err != nil || len(one) != 1 || one[0] != netip.MustParseAddrPort("192.0.2.7:8080") {
+		t.Errorf("ownAddrs(192.0.2.7:8080) = %v, %v", one, err)
+	}
+	all, err := ownAddrs(&net.TCPAddr{IP: net.IPv4zero, Port: 8080})
+	if err != nil || !slices.Contains(all, netip.MustParseAddrPort("127.0.0.1:8080")) {
+		t.Errorf("ownAddrs(0.0.0.0:8080) = %v, %v; want the interfaces' addresses", all, err)
+	}
+	defer func(f func() ([]net.Addr, error)) { interfaceAddrs = f }(interfaceAddrs)
+	interfaceAddrs = func() ([]net.Addr, error) { return nil, syscall.EAFNOSUPPORT }
+	if got, err := ownAddrs(&net.TCPAddr{IP: net.IPv4zero, Port: 8080}); !errors.Is(err, syscall.EAFNOSUPPORT) {
+		t.Errorf("ownAddrs without netlink = %v, %v; want the error", got, err)
 	}
 }

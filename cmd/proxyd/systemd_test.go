@@ -58,7 +58,7 @@ func TestSystemdUnit(t *testing.T) {
 		"DynamicUser=yes", "StateDirectory=proxyd", "ConfigurationDirectory=proxyd", "LoadCredential=token:",
 		"LimitNOFILE=65536", "UMask=0077", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
 		"PrivateDevices=yes", "PrivateUsers=yes", "NoNewPrivileges=yes", "CapabilityBoundingSet=\n",
-		"RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX", "RestrictNamespaces=yes", "RestrictRealtime=yes",
+		"RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK", "RestrictNamespaces=yes", "RestrictRealtime=yes",
 		"RestrictSUIDSGID=yes", "RemoveIPC=yes", "LockPersonality=yes", "MemoryDenyWriteExecute=yes",
 		"ProtectProc=invisible", "ProcSubset=pid", "DevicePolicy=closed", "SystemCallArchitectures=native",
 		"SystemCallFilter=@system-service", "SystemCallFilter=~@privileged @resources",
