@@ -3,6 +3,8 @@ package pool
 import (
 	"context"
 	"math"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -355,6 +357,64 @@ func TestFailedProbeCountsAsFailure(t *testing.T) {
 	}
 	if s.Failures != 4 || len(hooked) != 4 || hooked[3] != HandshakeTimeout {
 		t.Errorf("/pool counts %d failures, the Failure hook was told %v", s.Failures, hooked)
+	}
+}
+
+// A probe that hangs holds up neither the hot path's clock nor the rest of
+// Run's work, and Run does not return before the probe it started did.
+func TestHangingProbeDoesNotStopRun(t *testing.T) {
+	started := make(chan struct{}, 1)
+	var returned atomic.Int32
+	prober := proberFunc(func(ctx context.Context, _ *Upstream) Result {
+		select {
+		case started <- struct{}{}:
+		default:
+		}
+		<-ctx.Done() // hangs until its timeout or Run's end
+		returned.Add(1)
+		return DialTimeout
+	})
+	var changed atomic.Int32
+	p, err := New(conf(func(c *Config) {
+		c.ProbeInterval = 10 * time.Millisecond
+		c.ProbeTimeout = time.Hour
+		c.EjectBase = time.Hour
+		c.EjectMax = time.Hour
+		c.MaxEjectedPercent = 100
+	}), Options{Prober: prober, Hooks: Hooks{Changed: func() { changed.Add(1) }}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	stopRun := sync.OnceFunc(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("Run did not return")
+		}
+	})
+	defer stopRun()
+	set := ups(1, 3)
+	p.Update(set)
+	fail(p, handle(p, set[0]), 3)
+	select {
+	case <-started:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no probe started")
+	}
+	since := time.Now().UnixNano()
+	waitFor(t, "the clock to move on while a probe hangs", func() bool {
+		return p.tick.Load() > since+int64(3*tickEvery)
+	})
+	n := changed.Load()
+	p.SetProviderStatus(1, []string{"10.1.0.1"}, nil)
+	waitFor(t, "the Changed hook while a probe hangs", func() bool { return changed.Load() > n })
+	stopRun()
+	if returned.Load() != 1 {
+		t.Errorf("Run returned with %d of 1 probes returned", returned.Load())
 	}
 }
 

@@ -49,6 +49,8 @@ type Pool struct {
 	ctx       context.Context // cancels rotations when Run ends
 	cancel    context.CancelFunc
 
+	// The active probe's position and budget, used by one probe round at
+	// a time (Run starts the next only after the last one ended).
 	probeCursor int
 	probeWindow time.Time
 	probeUsed   int

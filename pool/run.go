@@ -2,6 +2,7 @@ package pool
 
 import (
 	"context"
+	"sync"
 	"time"
 )
 
@@ -9,10 +10,22 @@ import (
 // idle sweep, forgetting drained upstreams, the optional active probe, and
 // the Changed hook, and the hot path's copy of the clock: without Run (and
 // without Options.Now) ejections do not end and sticky keys do not expire.
-// A SetConfig resets its sweep and probe periods. When ctx ends it cancels
-// running rotations, waits for them and returns nil. Call it once.
+// A round of probes runs on a goroutine of its own, one round at a time (a
+// probe tick while one runs is skipped), so that probes slow to answer hold
+// up none of the rest. A SetConfig resets its sweep and probe periods. When
+// ctx ends it cancels the probe round and running rotations, waits for them
+// and returns nil. Call it once.
 func (p *Pool) Run(ctx context.Context) error {
 	defer p.stopRotations()
+	var probes sync.WaitGroup
+	defer probes.Wait()
+	// Cancelled before probes.Wait: the round's probes end with Run.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	// One round at a time; the buffer takes the last round's end when Run
+	// has stopped listening.
+	probed := make(chan struct{}, 1)
+	probing := false
 	tick := time.NewTicker(tickEvery)
 	defer tick.Stop()
 	var sweep, probe *time.Ticker
@@ -43,7 +56,15 @@ func (p *Pool) Run(ctx context.Context) error {
 		case <-sweep.C:
 			p.sweep()
 		case <-probeC:
-			p.probeOnce(ctx)
+			if !probing {
+				probing = true
+				probes.Go(func() {
+					p.probeOnce(ctx)
+					probed <- struct{}{}
+				})
+			}
+		case <-probed:
+			probing = false
 		case <-p.reconfig:
 			stop()
 			start()
@@ -73,7 +94,9 @@ func (p *Pool) sweep() {
 }
 
 // probeOnce probes ejected upstreams, as many as the minute's budget allows,
-// continuing where the last round stopped. A success re-admits the upstream.
+// continuing where the last round stopped, each bounded by ProbeTimeout. A
+// success re-admits the upstream. Run calls it on a goroutine of its own,
+// never two at once: the probe cursor and budget are the round's.
 func (p *Pool) probeOnce(ctx context.Context) {
 	if p.opts.Prober == nil {
 		return
