@@ -94,7 +94,7 @@ func cmdAPI(ctx context.Context, args []string, io stdio) int {
 	}
 	c := &apiCommand{ctx: ctx, client: client, json: *asJSON, io: io}
 	if err := c.run(fs.Args()); err != nil {
-		fmt.Fprintf(io.err, "proxyd api: %v\n", err)
+		fmt.Fprintf(io.err, "proxyd api: %s\n", oneLine(err))
 		if errors.As(err, new(usageError)) {
 			return 2
 		}

@@ -174,6 +174,12 @@ func TestAPIErrors(t *testing.T) {
 			t.Errorf("status %d: token in output %q %q", status, out, errOut)
 		}
 	}
+	// A message with line breaks and an escape is still one line.
+	sim.FailNext(1, 400, `{"message": "bad thing\nsecond line\r\nthird\u001b[2J"}`)
+	if _, errOut, code := runAPI(t, url, "", "services"); code != 1 || !strings.Contains(errOut, "bad thing; second line ; third [2J") ||
+		strings.Count(errOut, "\n") != 1 || strings.ContainsAny(errOut, "\r\x1b") {
+		t.Errorf("a provider message with line breaks: exit %d, stderr %q; want one line", code, errOut)
+	}
 	var out, errb bytes.Buffer
 	code := runMain(context.Background(), []string{"api", "-base-url", url, "credit"}, stdio{
 		in: strings.NewReader(""), out: &out, err: &errb, getenv: func(string) string { return "" },

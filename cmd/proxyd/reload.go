@@ -10,6 +10,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"unicode"
 
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/forward"
@@ -109,9 +110,16 @@ func (d *daemon) reload(load func() (config, error)) error {
 	return nil
 }
 
-// oneLine is an error's text on one line (config problems are one a line).
+// oneLine is an error's text on one line: config problems (one a line)
+// joined by "; ", any other control character (a provider's message may
+// hold "\r\n" or terminal escapes) shown as a space.
 func oneLine(err error) string {
-	return strings.ReplaceAll(err.Error(), "\n", "; ")
+	return strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return ' '
+		}
+		return r
+	}, strings.ReplaceAll(err.Error(), "\n", "; "))
 }
 
 // prepared holds what a reload made ready before committing: released by
