@@ -39,7 +39,8 @@ type Config struct {
 	EjectMax time.Duration `toml:"eject_max"`
 	// MaxEjectedPercent is the percentage (0–100) of a listener slice's
 	// usable upstreams (those the provider does not exclude) that may be
-	// ejected at once, rounded down. Past it a failing upstream stays in
+	// ejected at once, rounded down; an ejected upstream the provider
+	// excludes counts in neither. Past it a failing upstream stays in
 	// with its failures counted, and the slice is in panic mode rather
 	// than failing every client. 0 never ejects: every upstream that
 	// reaches FailureThreshold stays in, and its listeners show panic mode

@@ -187,7 +187,8 @@ func (p *Pool) countFailure(h *host, r Result) *Upstream {
 
 // eject takes h out of rotation unless that would put a listener slice
 // containing it past the ejection cap; then h stays in, held, and the slice
-// is in panic mode.
+// is in panic mode. An h that counts in no cap (draining, or excluded by
+// the provider: a late report) is ejected without touching the counts.
 func (p *Pool) eject(h *host) {
 	p.ejectMu.Lock()
 	if h.ejectedUntil.Load() != 0 {
@@ -197,7 +198,7 @@ func (p *Pool) eject(h *host) {
 	cfg := p.cfg.Load()
 	s := p.snap.Load()
 	u := h.cur.Load()
-	counted := h.flags.Load()&fDraining == 0 // a draining upstream is in no slice's counts
+	counted := capped(h.flags.Load())
 	if counted {
 		for _, sl := range s.slices {
 			if sl.matches(u) && sl.ejected.Load()+1 > ejectCap(cfg, sl) {
@@ -233,9 +234,20 @@ func ejectCap(cfg *Config, sl *slice) int64 {
 	return int64(cfg.MaxEjectedPercent) * sl.eligible.Load() / 100
 }
 
+// capped reports whether an upstream with flags fl counts in its slices'
+// ejection caps: whether it is one of the usable upstreams the cap is a
+// share of (neither draining nor excluded by the provider). Only those
+// count as ejected or held, so that the cap's share and base are of the
+// same set: an upstream the provider lists after its ejection can be
+// neither picked nor probed, and would otherwise hold a place under the cap
+// for as long as it stays listed.
+func capped(fl uint32) bool {
+	return fl&(fDraining|fProviderError|fProviderInactive) == 0
+}
+
 // setHeld sets whether h is a failing upstream kept in by the ejection cap,
 // and counts it in the slices of s that hold it; the caller holds
-// p.ejectMu, and h is not draining.
+// p.ejectMu, and h counts in the caps (capped).
 func (p *Pool) setHeld(s *snapshot, h *host, u *Upstream, held bool) {
 	if h.held.Swap(held) == held {
 		return
@@ -258,8 +270,8 @@ func (p *Pool) unhold(h *host) {
 	if !h.held.Load() {
 		return
 	}
-	if h.flags.Load()&fDraining != 0 {
-		h.held.Store(false)
+	if !capped(h.flags.Load()) {
+		h.held.Store(false) // in no slice's counts
 		return
 	}
 	cfg, s, u := p.cfg.Load(), p.snap.Load(), h.cur.Load()
@@ -294,7 +306,7 @@ func (p *Pool) checkPanic(cfg *Config, s *snapshot, sl *slice) {
 }
 
 // reeject extends the ejection of a probing upstream whose trial failed; it
-// is already counted against the cap.
+// is already counted against the cap, if it counts in it at all.
 func (p *Pool) reeject(h *host) {
 	p.ejectMu.Lock()
 	if h.ejectedUntil.Load() == 0 {
@@ -333,7 +345,7 @@ func (p *Pool) readmit(h *host, now int64) {
 	h.consec.Store(0)
 	h.readmitted.Store(now)
 	u := h.cur.Load()
-	if h.flags.Load()&fDraining == 0 {
+	if capped(h.flags.Load()) {
 		s := p.snap.Load()
 		for _, sl := range s.slices {
 			if sl.matches(u) {

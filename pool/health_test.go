@@ -274,6 +274,64 @@ func TestEjectionCapAndPanic(t *testing.T) {
 	}
 }
 
+// The ejection cap is a share of the upstreams the provider does not
+// exclude, and only those count against it: one the provider lists after
+// its ejection (or while it is kept in failing) cannot be tried while
+// listed, and must not hold a place under the cap meanwhile.
+func TestProviderExcludedUpstreamsLeaveTheEjectionCap(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rand: midRand})
+	p.SetListeners([]ListenerSlice{{Name: "l"}})
+	set := ups(1, 6)
+	p.Update(set)
+	a, b, c, d, e := handle(p, set[0]), handle(p, set[1]), handle(p, set[2]), handle(p, set[3]), handle(p, set[4])
+	fail(p, a, 3)
+	fail(p, b, 3)
+	fail(p, c, 3) // 3 of 6: the cap
+	fail(p, d, 3) // held
+	if s := stateOf(t, p, d.ID()); s.State != Healthy {
+		t.Fatalf("d past the cap: %s", s.State)
+	}
+	if l := listenerOf(t, p, "l"); !l.Panic {
+		t.Fatalf("d held: %+v, want panic", l)
+	}
+	// The provider confirms that a and d are broken: 4 usable, cap 2,
+	// b and c ejected, nothing usable held.
+	p.SetProviderStatus(1, []string{"10.1.0.0", "10.1.0.3"}, nil)
+	if l := listenerOf(t, p, "l"); l.Panic {
+		t.Errorf("a and d listed: %+v, want no panic", l)
+	}
+	// It lists c too: 3 usable, cap 1, b ejected; e has no room.
+	p.SetProviderStatus(1, []string{"10.1.0.0", "10.1.0.2", "10.1.0.3"}, nil)
+	fail(p, e, 3)
+	if s := stateOf(t, p, e.ID()); s.State != Healthy {
+		t.Errorf("e with b ejected, 3 usable: %s", s.State)
+	}
+	if l := listenerOf(t, p, "l"); !l.Panic {
+		t.Errorf("e held: %+v, want panic", l)
+	}
+	// b's trial succeeds: room for e, whatever a and c still say.
+	clk.Advance(time.Minute)
+	p.Report(b, Success, time.Millisecond)
+	fail(p, e, 1)
+	if s := stateOf(t, p, e.ID()); s.State != Ejected {
+		t.Errorf("e with none of the 3 usable ejected: %s", s.State)
+	}
+	if l := listenerOf(t, p, "l"); l.Panic {
+		t.Errorf("e ejected: %+v, want no panic", l)
+	}
+	// Off the lists, a, c and d count again: a and c are past their
+	// ejections, probing, and with e fill the cap of 3; d, still failing,
+	// is held.
+	p.SetProviderStatus(1, nil, nil)
+	if s := stateOf(t, p, a.ID()); s.State != Probing {
+		t.Errorf("a off the list: %s, want probing", s.State)
+	}
+	if l := listenerOf(t, p, "l"); !l.Panic {
+		t.Errorf("a, c and e ejected, d held: %+v, want panic", l)
+	}
+}
+
 func TestSingleUpstreamNeverEjected(t *testing.T) {
 	p := newTestPool(t, DefaultConfig(), Options{Now: newClock().Now})
 	p.Update(ups(1, 1))

@@ -71,8 +71,8 @@ type slice struct {
 	members  []*host
 	bands    [2]atomic.Pointer[band] // latency strategy: without, with quota upstreams
 	eligible atomic.Int64            // members the provider does not exclude: the base of the ejection cap
-	ejected  atomic.Int64            // members out of rotation by ejection
-	held     atomic.Int64            // failing members kept in by the ejection cap
+	ejected  atomic.Int64            // eligible members out of rotation by ejection
+	held     atomic.Int64            // eligible failing members kept in by the ejection cap
 	panic    atomic.Bool             // held > 0 and the cap is reached; changes under Pool.ejectMu
 	_        [64]byte                // every pick writes rr: keep it off the lines every pick reads
 	rr       atomic.Uint64           // round-robin position, also the start of scans
@@ -264,12 +264,15 @@ func (p *Pool) publish(s *snapshot) {
 	}
 }
 
+// count counts sl's figures from its members' state; ejected and held
+// members count only when eligible, like the base of the cap (see capped).
 func (sl *slice) count() {
 	var eligible, ejected, held int64
 	for _, h := range sl.members {
-		if h.flags.Load()&(fProviderError|fProviderInactive) == 0 {
-			eligible++
+		if !capped(h.flags.Load()) {
+			continue
 		}
+		eligible++
 		if h.ejectedUntil.Load() != 0 {
 			ejected++
 		}
