@@ -4,6 +4,8 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+
+	"github.com/proxyd/proxyd/agent"
 )
 
 func cmdCheck(args []string, io stdio) int {
@@ -11,7 +13,7 @@ func cmdCheck(args []string, io stdio) int {
 	fs.SetOutput(io.err)
 	path := fs.String("config", defaultConfigPath, "config file")
 	printCfg := fs.Bool("print", false, "print the effective configuration as TOML (secrets hidden)")
-	if err := fs.Parse(args); err != nil {
+	if !parseFlags(fs, args, io) {
 		return 2
 	}
 	cfg, err := loadConfig(*path)
@@ -33,10 +35,31 @@ func cmdCheck(args []string, io stdio) int {
 		// $CREDENTIALS_DIRECTORY or the unit's environment only.
 		fmt.Fprintf(io.err, "%s: warning: %v\n", *path, err)
 	}
+	if f := cfg.Admin.TokenFile; f != "" {
+		if _, err := agent.ReadTokenFile(f); err != nil {
+			// A warning for the same reason: the file may be readable only
+			// by the service's own user.
+			fmt.Fprintf(io.err, "%s: warning: admin.token_file: %v\n", *path, err)
+		}
+	}
 	if *printCfg {
 		fmt.Fprint(io.out, printConfig(cfg))
 		return 0
 	}
 	fmt.Fprintf(io.out, "%s: ok (%d listeners)\n", *path, len(cfg.Listener))
 	return 0
+}
+
+// parseFlags parses a command's flags and refuses arguments after them
+// (`proxyd check other.toml` would otherwise check the default config and
+// say ok); false means exit 2, the problem said on stderr.
+func parseFlags(fs *flag.FlagSet, args []string, io stdio) bool {
+	if err := fs.Parse(args); err != nil {
+		return false
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(io.err, "proxyd %s: unexpected argument %q\n", fs.Name(), fs.Arg(0))
+		return false
+	}
+	return true
 }

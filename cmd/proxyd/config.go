@@ -214,6 +214,11 @@ func (c *config) validate() configErrors {
 		fail("admin.token_file", "set either token or token_file, not both")
 	}
 	errs = append(errs, c.validateListeners()...)
+	if a := c.Admin.Address; a != "" && !strings.HasSuffix(a, ":0") {
+		if i := slices.IndexFunc(c.Listener, func(l listenerConfig) bool { return l.Address == a }); i >= 0 {
+			fail("admin.address", "%s is already the address of listener[%d]", a, i)
+		}
+	}
 	return errs
 }
 

@@ -62,7 +62,10 @@ func TestConfigFiles(t *testing.T) {
 			"listener[0].response_timeout: must be positive, got 0s",
 			"listener[0].max_connections: must be positive, got 0",
 		},
-		"zeros_kept.toml":    nil,
+		"zeros_kept.toml": nil,
+		"admin_on_listener.toml": {
+			"admin.address: 127.0.0.1:8080 is already the address of listener[0]",
+		},
 		"print_full.toml":    nil,
 		"print_minimal.toml": nil,
 		"out_of_range.toml": {
@@ -412,5 +415,22 @@ func TestCheckCommand(t *testing.T) {
 	}
 	if code, _ := run(filepath.Join("testdata", "config", "missing.toml")); code != 1 {
 		t.Errorf("missing file: exit %d", code)
+	}
+	// An argument after the flags is refused, not ignored: `check bad.toml`
+	// would check the default file and say ok.
+	for _, cmd := range []string{"check", "run", "demo", "pool"} {
+		var out, errb strings.Builder
+		code := runMain(context.Background(), []string{cmd, "bad.toml"}, stdio{out: &out, err: &errb, getenv: func(string) string { return "" }})
+		if code != 2 || !strings.Contains(errb.String(), `proxyd `+cmd+`: unexpected argument "bad.toml"`) {
+			t.Errorf("%s bad.toml: exit %d, %q %q", cmd, code, out.String(), errb.String())
+		}
+	}
+	// A token file check cannot read is named (a warning: the file may be
+	// readable by the service's user only).
+	path := filepath.Join(t.TempDir(), "c.toml")
+	missing := filepath.Join(t.TempDir(), "no-such-token")
+	os.WriteFile(path, []byte("[api]\ntoken = \"t\"\n[admin]\ntoken_file = \""+missing+"\"\n"), 0o600)
+	if code, out := run(path); code != 0 || !strings.Contains(out, "warning: admin.token_file: ") || !strings.Contains(out, missing) {
+		t.Errorf("unreadable admin.token_file: exit %d\n%s", code, out)
 	}
 }

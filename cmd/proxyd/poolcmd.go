@@ -30,11 +30,7 @@ func cmdPool(ctx context.Context, args []string, io stdio) int {
 	upstream := fs.String("upstream", "", "with -events: only events of this upstream ID (as /pool names it)")
 	kind := fs.String("kind", "", "with -events: only events of this kind")
 	token := fs.String("token", "", "token of an admin address that wants one (default $PROXYD_ADMIN_TOKEN)")
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(io.err, "proxyd pool: unexpected argument %q\n", fs.Arg(0))
+	if !parseFlags(fs, args, io) {
 		return 2
 	}
 	if *token == "" {

@@ -15,7 +15,7 @@ func cmdRun(ctx context.Context, args []string, io stdio) int {
 	fs := flag.NewFlagSet("run", flag.ContinueOnError)
 	fs.SetOutput(io.err)
 	path := fs.String("config", defaultConfigPath, "config file")
-	if err := fs.Parse(args); err != nil {
+	if !parseFlags(fs, args, io) {
 		return 2
 	}
 	cfg, err := loadConfig(*path)
