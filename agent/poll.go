@@ -144,7 +144,10 @@ type Snapshot struct {
 }
 
 // Poller runs the agent's poll loops against a Client and hands a Snapshot
-// to OnChange after every change. Each loop has a PollOnce for tests.
+// to OnChange after every change. Each loop has a PollOnce for tests. A
+// failed round backs off (PollConfig.MaxBackoff); in the status and usage
+// loops, which poll each service on its own, a failing service backs off
+// alone and the others keep their interval.
 type Poller struct {
 	onChange func(Snapshot)
 	log      *slog.Logger
@@ -161,6 +164,9 @@ type Poller struct {
 	lastGood map[string]int    // list key → size of the last list swapped in
 	formats  map[string]string // list type → the format that last parsed
 	manage   map[int]*manageState
+	// clocks are the per-service schedules of the loops that poll each
+	// service on its own clock (LoopStatus, LoopUsage); nil for the others.
+	clocks [numLoops]map[int]*serviceClock
 
 	kicks [numLoops]chan struct{}
 	// kickAfterAccount makes the end of the next account round kick the
@@ -190,6 +196,9 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 	p := &Poller{client: c, cfg: cloneConfig(cfg), onChange: onChange, log: logger, now: time.Now,
 		services: map[int]*ServiceState{}, pending: map[string]int{}, lastGood: map[string]int{},
 		formats: map[string]string{}, manage: map[int]*manageState{}}
+	for _, l := range []Loop{LoopStatus, LoopUsage} {
+		p.clocks[l] = map[int]*serviceClock{}
+	}
 	for i := range p.beats {
 		p.beats[i].Store(p.now().UnixNano())
 		p.kicks[i] = make(chan struct{}, 1)
@@ -279,6 +288,10 @@ func (p *Poller) interval(l Loop) time.Duration {
 }
 
 func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
+	if p.clocks[l] != nil {
+		p.serviceLoop(ctx, l)
+		return
+	}
 	failures := 0
 	for {
 		err := p.PollOnce(ctx, l)
@@ -311,6 +324,120 @@ func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
 	}
 }
 
+// serviceClock is when a loop that polls each service on its own clock
+// next polls one service, and how many polls of it failed in a row.
+type serviceClock struct {
+	next     time.Time
+	failures int
+}
+
+// nextRound is when the services that answer in a round of loop l
+// beginning now are next due: the interval with jitter, once for the
+// round.
+func (p *Poller) nextRound(l Loop) time.Time {
+	return p.now().Add(p.jitter(p.interval(l)))
+}
+
+// serviceLoop runs loop l (status or usage), in which each service keeps
+// its own clock: a service whose poll fails backs off alone (nextWait
+// after its own failures, a 429's time included), while the others keep
+// the loop's interval. Each round polls the services that are due and
+// the loop sleeps until the next one is.
+func (p *Poller) serviceLoop(ctx context.Context, l Loop) {
+	for {
+		p.round(ctx, l, true) // errors are logged per service (serviceDone)
+		if ctx.Err() != nil {
+			return
+		}
+		t := time.NewTimer(p.untilDue(l))
+		woke := p.wait(ctx, l, p.kicks[l], t.C)
+		t.Stop()
+		if !woke {
+			return
+		}
+	}
+}
+
+// pollable returns the services loop l polls (for LoopUsage the ppr
+// ones); with onlyDue, those whose clock is due.
+func (p *Poller) pollable(l Loop, onlyDue bool) []int {
+	now := p.now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var ids []int
+	for _, id := range slices.Sorted(maps.Keys(p.services)) {
+		if l == LoopUsage && p.services[id].Record.ProductType != "ppr" {
+			continue
+		}
+		if c := p.clocks[l][id]; onlyDue && c != nil && now.Before(c.next) {
+			continue
+		}
+		ids = append(ids, id)
+	}
+	return ids
+}
+
+// untilDue is the time until the next service of loop l is due, at most
+// the loop's interval.
+func (p *Poller) untilDue(l Loop) time.Duration {
+	ids := p.pollable(l, false)
+	wait := p.jitter(p.interval(l))
+	now := p.now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, id := range ids {
+		c := p.clocks[l][id]
+		if c == nil {
+			return 0
+		}
+		wait = min(wait, c.next.Sub(now))
+	}
+	return max(wait, 0)
+}
+
+// serviceDone sets the clock of service id in loop l after a poll of it:
+// the round's next time after a success (so that the services that answer
+// stay in one round), its own backoff after a failure, which is logged
+// (and a recovery). Nothing is recorded once ctx has ended.
+func (p *Poller) serviceDone(ctx context.Context, l Loop, roundNext time.Time, id int, err error) {
+	if ctx.Err() != nil {
+		return
+	}
+	p.mu.Lock()
+	c := p.clocks[l][id]
+	if c == nil {
+		c = &serviceClock{}
+		p.clocks[l][id] = c
+	}
+	before := c.failures
+	if err != nil {
+		c.failures++
+	} else {
+		c.failures = 0
+	}
+	failures := c.failures
+	p.mu.Unlock()
+	next, wait := roundNext, time.Duration(0)
+	if err != nil {
+		wait = p.nextWait(p.interval(l), failures, err)
+		next = p.now().Add(wait)
+	}
+	p.mu.Lock()
+	c.next = next
+	p.mu.Unlock()
+	switch {
+	case err != nil:
+		p.log.Warn("provider API poll failed", "loop", l.String(), "service", id, "err", err,
+			"failures", failures, "retry_in", wait.Round(time.Millisecond))
+		if _, named, capped := p.rateLimitWait(err); capped {
+			p.log.Warn("the provider's next allowed time is beyond the longest wait; polling again before it",
+				"loop", l.String(), "service", id, "next_allowed", named.UTC(), "longest_wait", maxRateLimitWait)
+		}
+	case before > 0:
+		p.log.Info("provider API poll recovered", "loop", l.String(), "service", id, "after_failures", before)
+	}
+}
+
 // wait beats loop l's heartbeat until wake or timer fires (true) or ctx
 // ends (false): a loop waiting for its next round, or a slow API holding up
 // the account loop's first round, must not look stuck. A nil channel never
@@ -332,8 +459,17 @@ func (p *Poller) wait(ctx context.Context, l Loop, wake <-chan struct{}, timer <
 	}
 }
 
-// Kick makes loop l poll now instead of at the end of its wait.
+// Kick makes loop l poll now instead of at the end of its wait; a loop
+// that polls each service on its own clock polls every service, those
+// backing off included (their failure counts stay).
 func (p *Poller) Kick(l Loop) {
+	if l >= 0 && l < numLoops && p.clocks[l] != nil {
+		p.mu.Lock()
+		for _, c := range p.clocks[l] {
+			c.next = time.Time{}
+		}
+		p.mu.Unlock()
+	}
 	select {
 	case p.kicks[l] <- struct{}{}:
 	default:
@@ -437,15 +573,30 @@ func (p *Poller) backoff(interval time.Duration, n int) time.Duration {
 	return max(p.jitter(d), time.Second)
 }
 
-// PollOnce runs one round of loop l.
+// PollOnce runs one round of loop l over every service, also those that
+// back off in the loop (their clocks are set as in the loop).
 func (p *Poller) PollOnce(ctx context.Context, l Loop) error {
 	if l < 0 || l >= numLoops {
 		return fmt.Errorf("unknown loop %d", l)
 	}
+	return p.round(ctx, l, false)
+}
+
+// round runs one round of loop l; for the loops with per-service clocks,
+// onlyDue limits it to the services that are due.
+func (p *Poller) round(ctx context.Context, l Loop, onlyDue bool) error {
 	defer p.beat(l)
 	defer p.rounds[l].Add(1)
-	polls := [numLoops]func(context.Context) error{p.pollAccount, p.pollLists, p.pollStatus, p.pollUsage}
-	return polls[l](ctx)
+	switch l {
+	case LoopAccount:
+		return p.pollAccount(ctx)
+	case LoopLists:
+		return p.pollLists(ctx)
+	case LoopStatus:
+		return p.pollStatus(ctx, p.pollable(l, onlyDue))
+	default:
+		return p.pollUsage(ctx, p.pollable(l, onlyDue))
+	}
 }
 
 // served returns the IDs of the services the other loops work on.
@@ -557,6 +708,9 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 		if slices.Contains(dropped, id) || !slices.Contains(want, id) {
 			delete(p.services, id)
 			delete(p.manage, id)
+			for _, clocks := range p.clocks {
+				delete(clocks, id)
+			}
 			if !slices.Contains(dropped, id) {
 				dropped = append(dropped, id)
 			}
@@ -780,21 +934,29 @@ func (p *Poller) confirm(key string, n int) bool {
 	return false
 }
 
-func (p *Poller) pollStatus(ctx context.Context) error {
+// pollStatus reads the network status of services ids; each one's clock
+// is set by its own outcome.
+func (p *Poller) pollStatus(ctx context.Context, ids []int) error {
 	client, _, gen := p.current()
+	roundNext := p.nextRound(LoopStatus)
 	var firstErr error
-	for _, id := range p.served() {
+	for _, id := range ids {
 		// Each list is applied when its own fetch succeeded; the other
 		// keeps its last good value.
+		var err error
 		errored, eerr := client.NetworkErrors(ctx, id)
 		p.beat(LoopStatus)
-		if eerr != nil && firstErr == nil {
-			firstErr = fmt.Errorf("polling network errors of service %d: %w", id, eerr)
+		if eerr != nil {
+			err = fmt.Errorf("polling network errors of service %d: %w", id, eerr)
 		}
 		inactive, ierr := client.NetworkInactive(ctx, id)
 		p.beat(LoopStatus)
-		if ierr != nil && firstErr == nil {
-			firstErr = fmt.Errorf("polling inactive servers of service %d: %w", id, ierr)
+		if ierr != nil && err == nil {
+			err = fmt.Errorf("polling inactive servers of service %d: %w", id, ierr)
+		}
+		p.serviceDone(ctx, LoopStatus, roundNext, id, err)
+		if firstErr == nil {
+			firstErr = err
 		}
 		p.mu.Lock()
 		if st := p.services[id]; st != nil && p.gen == gen {
@@ -810,29 +972,30 @@ func (p *Poller) pollStatus(ctx context.Context) error {
 		}
 		p.mu.Unlock()
 	}
-	p.changed()
+	if len(ids) > 0 {
+		p.changed()
+	}
 	p.manageLists(ctx)
 	return firstErr
 }
 
-// pollUsage reads the rate and limit of each ppr service. The daily
-// statistics endpoint is not polled: nothing uses its answer.
-func (p *Poller) pollUsage(ctx context.Context) error {
+// pollUsage reads the rate and limit of ppr services ids; each one's
+// clock is set by its own outcome. The daily statistics endpoint is not
+// polled: nothing uses its answer.
+func (p *Poller) pollUsage(ctx context.Context, ids []int) error {
 	client, _, gen := p.current()
+	roundNext := p.nextRound(LoopUsage)
 	var firstErr error
-	for _, id := range p.served() {
-		p.mu.Lock()
-		st := p.services[id]
-		ppr := st != nil && st.Record.ProductType == "ppr"
-		p.mu.Unlock()
-		if !ppr {
-			continue
-		}
+	for _, id := range ids {
 		rate, err := client.Rate(ctx, id)
 		p.beat(LoopUsage)
 		if err != nil {
+			err = fmt.Errorf("polling rate of service %d: %w", id, err)
+		}
+		p.serviceDone(ctx, LoopUsage, roundNext, id, err)
+		if err != nil {
 			if firstErr == nil {
-				firstErr = fmt.Errorf("polling rate of service %d: %w", id, err)
+				firstErr = err
 			}
 			continue
 		}
@@ -845,7 +1008,9 @@ func (p *Poller) pollUsage(ctx context.Context) error {
 		}
 		p.mu.Unlock()
 	}
-	p.changed()
+	if len(ids) > 0 {
+		p.changed()
+	}
 	return firstErr
 }
 

@@ -3,10 +3,12 @@ package agent
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -528,5 +530,153 @@ func TestPollerRateLimitWaitBounded(t *testing.T) {
 	})
 	if out := logBuf.String(); !strings.Contains(out, "retry_in=1h0m0s") || !strings.Contains(out, "longest_wait=1h0m0s") {
 		t.Errorf("log does not show the 1h wait:\n%s", out)
+	}
+}
+
+// failingService serves the simulator, answering 422 to the requests
+// under each of prefixes for service failing, and counts the requests
+// under the first prefix by service.
+func failingService(t *testing.T, failing int, prefixes ...string) (*providersim.Sim, *Client, func(id int) int) {
+	t.Helper()
+	sim := providersim.New(providersim.Config{})
+	var mu sync.Mutex
+	counts := map[int]int{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if id, err := strconv.Atoi(strings.TrimPrefix(r.URL.Path, prefixes[0])); err == nil {
+			mu.Lock()
+			counts[id]++
+			mu.Unlock()
+		}
+		for _, prefix := range prefixes {
+			if r.URL.Path == prefix+strconv.Itoa(failing) {
+				w.WriteHeader(http.StatusUnprocessableEntity)
+				io.WriteString(w, `{"error":"Unprocessable Entity "}`)
+				return
+			}
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sim, c, func(id int) int { mu.Lock(); defer mu.Unlock(); return counts[id] }
+}
+
+// runSchedule runs loop l's rounds as its loop would for d of clock's
+// time, and fails the test if a wait is not within (0, interval].
+func runSchedule(t *testing.T, p *Poller, clock *fakeClock, l Loop, d time.Duration) {
+	t.Helper()
+	ctx := context.Background()
+	for end := clock.Now().Add(d); clock.Now().Before(end); {
+		p.round(ctx, l, true)
+		w := p.untilDue(l)
+		if w <= 0 || w > p.interval(l) {
+			t.Fatalf("at %v: next %s round in %v, want within (0, %v]", clock.Now(), l, w, p.interval(l))
+		}
+		clock.Advance(w)
+	}
+}
+
+// A service whose network status keeps failing backs off on its own
+// clock; the other services keep the loop's interval. Ten minutes of the
+// status loop's schedule, on a fake clock.
+func TestPollerStatusBackoffPerService(t *testing.T) {
+	sim, c, requests := failingService(t, 104, "/api/networkstatus/errors/", "/api/networkstatus/inactive/")
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101, 104}
+		c.NetworkStatus = 30 * time.Second
+		c.Jitter = 0
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	p.now = clock.Now
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	runSchedule(t, p, clock, LoopStatus, 10*time.Minute)
+	// 101 every 30s: 20 polls. 104 at 0s and then after 5s, 10s, 20s, …,
+	// 320s (the next try, 640s later, is past the 10m): 7 polls.
+	if n := requests(101); n != 20 {
+		t.Errorf("service 101 polled %d times in 10m, want 20 (every network_status interval)", n)
+	}
+	if n := requests(104); n != 7 {
+		t.Errorf("failing service 104 polled %d times in 10m, want 7 (its own backoff)", n)
+	}
+	// And a new errored IP of 101 is seen within one interval.
+	sim.MarkErrored(101, "10.0.0.1")
+	runSchedule(t, p, clock, LoopStatus, 30*time.Second)
+	if st := serviceByID(p.Snapshot(), 101); !slices.Equal(st.Errored, []string{"10.0.0.1"}) {
+		t.Errorf("service 101 errored %v one interval after the provider listed 10.0.0.1", st.Errored)
+	}
+}
+
+// The same through Run: while service 104's status fails and backs off,
+// a new errored IP of service 101 is seen within network_status.
+func TestPollerRunStatusBackoffPerService(t *testing.T) {
+	sim, c, requests := failingService(t, 104, "/api/networkstatus/errors/", "/api/networkstatus/inactive/")
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101, 104}
+		c.NetworkStatus = time.Second
+		c.Jitter = 0
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); p.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	// After 3 failures in a row the next try of 104 is 4s away.
+	waitUntil(t, 10*time.Second, "service 104 was not polled 3 times", func() bool { return requests(104) >= 3 })
+	sim.MarkErrored(101, "10.0.0.1")
+	waitUntil(t, 2*time.Second, "service 101's new errored IP not seen within 2s (network_status 1s)", func() bool {
+		st := serviceByID(p.Snapshot(), 101)
+		return st != nil && len(st.Errored) > 0
+	})
+}
+
+// The usage loop likewise: service 104's failing rate backs off alone and
+// service 102's rate is read every usage interval. Kick polls every
+// service at once, the one backing off included.
+func TestPollerUsageBackoffPerService(t *testing.T) {
+	sim, c, requests := failingService(t, 104, "/api/rate/")
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101, 102, 104}
+		c.Usage = time.Minute
+		c.Jitter = 0
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	p.now = clock.Now
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	runSchedule(t, p, clock, LoopUsage, 10*time.Minute)
+	// 102 every minute: 10 polls; 104 at 0s, 5s, 15s, 35s, 75s, 155s,
+	// 315s: 7; fpr service 101 has no rate.
+	if n, m, f := requests(102), requests(104), requests(101); n != 10 || m != 7 || f != 0 {
+		t.Errorf("rate requests in 10m: 102 %d (want 10), 104 %d (want 7), 101 %d (want 0)", n, m, f)
+	}
+	sim.SetUsage(102, 900, 1000)
+	runSchedule(t, p, clock, LoopUsage, time.Minute)
+	if st := serviceByID(p.Snapshot(), 102); st.Rate != 900 || st.Limit != 1000 {
+		t.Errorf("service 102 usage %v/%v one interval after it changed, want 900/1000", st.Rate, st.Limit)
+	}
+	before := requests(104)
+	p.Kick(LoopUsage)
+	if ids := p.pollable(LoopUsage, true); !slices.Equal(ids, []int{102, 104}) {
+		t.Errorf("due after Kick: %v, want [102 104]", ids)
+	}
+	p.round(ctx, LoopUsage, true)
+	if requests(104) != before+1 {
+		t.Error("Kick did not poll the service backing off")
 	}
 }
