@@ -20,6 +20,9 @@ func (p *Pool) state(h *host, now int64) (State, string) {
 		if fl&fExitErrored != 0 {
 			return Rotating, "exit ip on the provider's errored list"
 		}
+		if r := h.rotation(); r != nil && r.cause.UpstreamFault() {
+			return Rotating, r.cause.String() // the failure of whichever of the session's upstreams failed
+		}
 		return Rotating, Result(h.reason.Load()).String()
 	}
 	if until := h.ejectedUntil.Load(); until != 0 {

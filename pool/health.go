@@ -7,14 +7,15 @@ import (
 )
 
 // Bits of host.flags. The provider bits are recomputed by the writer (under
-// Pool.mu); fRotating belongs to the rotation, fDraining to Update.
+// Pool.mu); fRotating belongs to the rotation of the host's session (see
+// session), fDraining to Update.
 const (
 	fProviderError    uint32 = 1 << iota // the upstream's gateway IP is on the errored list
 	fProviderInactive                    // ... on the inactive list
 	fExitErrored                         // a ppr session whose exit IP is on the errored list: rotated, not excluded
 	fQuota                               // its ppr service reached its usage limit
 	fDraining                            // removed from the set; in-flight connections finish
-	fRotating                            // a ppr session waiting for its rotation
+	fRotating                            // its ppr session is waiting for its rotation
 
 	providerBits = fProviderError | fProviderInactive | fExitErrored | fQuota
 	// excluded are the bits that keep an upstream from any new connection.
@@ -32,16 +33,15 @@ type host struct {
 	flags    atomic.Uint32
 	reason   atomic.Uint32 // last failure Result
 	id       string
-	addrHost string // host part of Address, as the provider's status lists name it
+	addrHost string                  // host part of Address, as the provider's status lists name it
+	sess     atomic.Pointer[session] // the ppr sticky session it stands for, if any; Update links it
 
-	rot          atomic.Pointer[rotation] // non-nil while a rotation is under way
 	inFlight     atomic.Int64
 	ejectedUntil atomic.Int64 // unix ns; non-zero from ejection until a trial succeeds
 	consec       atomic.Int64 // consecutive upstream failures
 	failures     atomic.Int64 // all upstream failures
 	ejections    atomic.Int64
 	readmitted   atomic.Int64 // unix ns of the last re-admission
-	lastRotate   atomic.Int64 // unix ns of the last rotation request
 	ewma         atomic.Int64 // moving average of dial + handshake, ns; 0 = not measured
 	streak       atomic.Int32 // ejections in a row; decides the ejection's length
 	trial        atomic.Bool  // the one trial connection of a probing upstream is out
@@ -155,11 +155,9 @@ func (p *Pool) succeeded(h *host) {
 }
 
 func (p *Pool) failed(h *host, r Result) {
-	u := p.countFailure(h, r)
+	p.countFailure(h, r)
 	c := h.consec.Add(1)
-	if u.Kind == PPR && u.Session != "" {
-		p.requestRotate(h)
-	}
+	p.requestRotate(h, r) // if it stands for a ppr sticky session
 	if until := h.ejectedUntil.Load(); until != 0 {
 		if h.trial.Load() && p.now().UnixNano() >= until {
 			p.reeject(h) // the trial failed
@@ -173,16 +171,13 @@ func (p *Pool) failed(h *host, r Result) {
 
 // countFailure records a failure of h itself, reported by a connection or
 // by a probe: its reason, the failures /pool shows and the Failure hook
-// (proxyd_upstream_failures_total), which must agree. It returns h's
-// current upstream.
-func (p *Pool) countFailure(h *host, r Result) *Upstream {
+// (proxyd_upstream_failures_total), which must agree.
+func (p *Pool) countFailure(h *host, r Result) {
 	h.reason.Store(uint32(r))
 	h.failures.Add(1)
-	u := h.cur.Load()
 	if f := p.opts.Hooks.Failure; f != nil {
-		f(u.Service, r)
+		f(h.cur.Load().Service, r)
 	}
-	return u
 }
 
 // eject takes h out of rotation unless that would put a listener slice

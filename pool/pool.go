@@ -29,7 +29,7 @@ type Pool struct {
 	anyQuot atomic.Bool // some service is in quota: picks make a second pass
 	sticky  *stickyTable
 
-	mu        sync.Mutex              // writers: Update, SetListeners, SetProviderStatus, SetUsage, SetConfig, rotation results
+	mu        sync.Mutex              // writers: Update, SetListeners, SetProviderStatus, SetUsage, SetConfig, rotations
 	listeners []ListenerSlice         // as last set
 	errored   map[int]map[string]bool // per service: errored IPs
 	inactive  map[int]map[string]bool // per service: inactive IPs
@@ -37,6 +37,8 @@ type Pool struct {
 	quota     map[int]bool            // per service: over quota_headroom × its limit
 	draining  map[string]*host        // removed upstreams with connections in flight
 	gen       uint64                  // the last Update, for host.mark
+	sessions  map[sessionKey]*session // ppr sticky sessions of the current set, each shared by its upstreams
+	linked    int                     // sessions the Update under way linked so far
 
 	ejectMu sync.Mutex // ejection and re-admission against the per-slice counters
 
@@ -101,6 +103,7 @@ func New(cfg Config, opts Options) (*Pool, error) {
 		usage:    map[int]ServiceUsage{},
 		quota:    map[int]bool{},
 		draining: map[string]*host{},
+		sessions: map[sessionKey]*session{},
 		changed:  make(chan struct{}, 1),
 		reconfig: make(chan struct{}, 1),
 	}
@@ -314,6 +317,7 @@ func (p *Pool) Update(ups []Upstream) {
 	old := p.snap.Load()
 	p.gen++
 	gen := p.gen
+	p.linked = 0
 	hosts := make([]*host, 0, len(ups))
 	var fresh map[string]*host // new or revived from draining
 	var buf []byte
@@ -354,6 +358,7 @@ func (p *Pool) Update(ups []Upstream) {
 		}
 		h.mark = gen
 		hosts = append(hosts, h)
+		p.linkSession(h, gen)
 		if st.service != u.Service || !st.valid {
 			st = p.statusOf(u.Service)
 		}
@@ -369,6 +374,7 @@ func (p *Pool) Update(ups []Upstream) {
 			removed = append(removed, h)
 		}
 	}
+	p.dropSessions(gen)
 	byID := old.byID // the common refresh changes nothing: share the index
 	if len(fresh) > 0 || len(removed) > 0 {
 		byID = maps.Clone(old.byID)
@@ -394,9 +400,7 @@ func (p *Pool) Update(ups []Upstream) {
 	for _, h := range removed {
 		p.record(EventRemoved, h.id, h.cur.Load().Service, "")
 	}
-	for _, h := range rotate {
-		p.requestRotate(h)
-	}
+	p.requestRotations(rotate)
 	p.notifyChanged()
 }
 
@@ -491,9 +495,7 @@ func (p *Pool) SetProviderStatus(service int, errored, inactive []string) {
 	for _, c := range changes {
 		p.recordProvider(c.h, c.before, c.now)
 	}
-	for _, h := range rotate {
-		p.requestRotate(h)
-	}
+	p.requestRotations(rotate)
 	if changed {
 		p.notifyChanged()
 	}

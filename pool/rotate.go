@@ -3,54 +3,152 @@ package pool
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync/atomic"
 )
+
+// session is one ppr sticky session as the provider knows it: (service,
+// server, session), the arguments of sticky/rotate. It stands behind one
+// upstream per protocol it can be dialed with, and those upstreams share
+// it: the session is rotated at most once per RotateInterval whichever of
+// them asks, all of them are rotating until the provider answers (a key on
+// any of them waits), and all get the new exit IP.
+type session struct {
+	key        sessionKey
+	rot        atomic.Pointer[rotation] // non-nil while a rotation is under way
+	lastRotate atomic.Int64             // unix ns of the last rotation request
+
+	// Under Pool.mu:
+	hosts []*host // its upstreams in the current set
+	mark  uint64  // the last Update that listed one of them
+}
+
+type sessionKey struct {
+	service         int
+	server, session string
+}
 
 // rotation is one rotation of a ppr sticky session under way; done closes
 // when it ends, and ok says whether the session got a new exit IP.
 type rotation struct {
 	done    chan struct{}
 	ok      bool
+	cause   Result       // the upstream failure that asked for it; numResults for an errored exit IP
 	waiting atomic.Int64 // picks waiting for it
 }
 
-// requestRotate asks the Rotator to rotate h's session, at most once per
-// session per RotateInterval; the session is rotating until the answer. A
+// rotation returns the rotation under way of h's session, or nil.
+func (h *host) rotation() *rotation {
+	if s := h.sess.Load(); s != nil {
+		return s.rot.Load()
+	}
+	return nil
+}
+
+// linkSession links h, an upstream of the set Update gen makes, to the
+// session it stands for, shared with the session's other upstreams; its
+// rotating mark follows its session's rotation. The caller holds p.mu.
+func (p *Pool) linkSession(h *host, gen uint64) {
+	u := h.cur.Load()
+	var s *session
+	if u.Kind == PPR && u.Session != "" {
+		k := sessionKey{u.Service, u.Server, u.Session}
+		if s = p.sessions[k]; s == nil {
+			if old := h.sess.Load(); old != nil && old.key == k {
+				s = old // back from draining, with its rotation history
+			} else {
+				s = &session{key: k}
+			}
+			p.sessions[k] = s
+		}
+		if s.mark != gen {
+			s.mark, s.hosts = gen, s.hosts[:0]
+			p.linked++
+		}
+		s.hosts = append(s.hosts, h)
+	}
+	if h.sess.Load() == s {
+		return
+	}
+	h.sess.Store(s)
+	var f uint32
+	if s != nil && s.rot.Load() != nil {
+		f = fRotating
+	}
+	h.setFlags(fRotating, f)
+}
+
+// dropSessions forgets the sessions that Update gen did not link; their
+// draining upstreams keep theirs while in flight. The caller holds p.mu.
+func (p *Pool) dropSessions(gen uint64) {
+	if p.linked == len(p.sessions) {
+		return
+	}
+	for k, s := range p.sessions {
+		if s.mark != gen {
+			s.hosts = nil
+			delete(p.sessions, k)
+		}
+	}
+}
+
+// requestRotations asks for the rotation of the sessions of hs, whose exit
+// IPs are errored: once per session, however many of its upstreams hs holds.
+func (p *Pool) requestRotations(hs []*host) {
+	var asked map[*session]bool
+	for _, h := range hs {
+		s := h.sess.Load()
+		if s == nil || asked[s] {
+			continue
+		}
+		if len(hs) > 1 {
+			if asked == nil {
+				asked = make(map[*session]bool)
+			}
+			asked[s] = true
+		}
+		p.requestRotate(h, numResults)
+	}
+}
+
+// requestRotate asks the Rotator to rotate the session h stands for (if it
+// stands for one), because of h's failure cause or (numResults) its errored
+// exit IP: at most once per session per RotateInterval, whichever of the
+// session's upstreams asks. The session is rotating until the answer. A
 // request held back by RotateInterval is counted by the Rotated hook as
 // "rate_limited" but is no event: no rotation was tried, and it happens on
 // every failure of the session within the interval.
-func (p *Pool) requestRotate(h *host) {
-	if p.opts.Rotator == nil || h.rot.Load() != nil {
+func (p *Pool) requestRotate(h *host, cause Result) {
+	s := h.sess.Load()
+	if p.opts.Rotator == nil || s == nil || s.rot.Load() != nil {
 		return
 	}
 	u := h.cur.Load()
-	if u.Kind != PPR || u.Session == "" {
-		return
-	}
 	now := p.now().UnixNano()
-	last := h.lastRotate.Load()
+	last := s.lastRotate.Load()
 	if last != 0 && now-last < int64(p.cfg.Load().RotateInterval) {
 		p.rotated(u.Service, "rate_limited")
 		return
 	}
-	if !h.lastRotate.CompareAndSwap(last, now) {
+	if !s.lastRotate.CompareAndSwap(last, now) {
 		return // another report got there first
-	}
-	r := &rotation{done: make(chan struct{})}
-	if !h.rot.CompareAndSwap(nil, r) {
-		return
 	}
 	p.rotMu.Lock()
 	if p.rotClosed {
 		p.rotMu.Unlock()
-		h.rot.Store(nil)
-		close(r.done)
 		return
 	}
 	p.rotWG.Add(1)
 	p.rotMu.Unlock()
+	r := &rotation{done: make(chan struct{}), cause: cause}
+	if !s.rot.CompareAndSwap(nil, r) {
+		p.rotWG.Done()
+		return
+	}
+	// h at once, so that the next pick passes it by; the session's other
+	// upstreams as the rotation starts, under p.mu, where Update links them.
 	h.setFlags(fRotating, fRotating)
-	go p.rotate(h, r, u)
+	go p.rotate(s, r, h, u)
 }
 
 func (p *Pool) rotated(service int, result string) {
@@ -59,9 +157,15 @@ func (p *Pool) rotated(service int, result string) {
 	}
 }
 
-// rotate runs one rotation; Run waits for it.
-func (p *Pool) rotate(h *host, r *rotation, u *Upstream) {
+// rotate runs one rotation of s, which h (whose upstream is u) asked for;
+// Run waits for it.
+func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 	defer p.rotWG.Done()
+	p.mu.Lock()
+	for _, t := range s.hosts {
+		t.setFlags(fRotating, fRotating)
+	}
+	p.mu.Unlock()
 	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.Load().RotateTimeout)
 	exitIP, err := p.opts.Rotator.Rotate(ctx, u.Service, u.Server, u.Session)
 	cancel()
@@ -72,33 +176,53 @@ func (p *Pool) rotate(h *host, r *rotation, u *Upstream) {
 	case err != nil:
 		result = "error"
 	}
+	p.mu.Lock()
+	hosts := slices.Clone(s.hosts)
+	if h.sess.Load() == s && !slices.Contains(hosts, h) {
+		hosts = append(hosts, h) // draining
+	}
+	if err == nil {
+		for _, t := range hosts {
+			c := *t.cur.Load()
+			c.ExitIP = exitIP
+			t.setCur(&c)
+			p.applyStatus(t)
+		}
+	}
+	p.mu.Unlock()
 	if err != nil {
 		p.log.Warn("rotating sticky session", "id", h.id, "result", result, "err", err)
 	} else {
-		p.mu.Lock()
-		c := *h.cur.Load()
-		c.ExitIP = exitIP
-		h.setCur(&c)
-		p.applyStatus(h)
-		p.mu.Unlock()
-		// A new exit IP: the session starts over as healthy.
-		h.consec.Store(0)
-		if h.held.Load() {
-			p.unhold(h)
-		}
-		if h.ejectedUntil.Load() != 0 {
-			p.readmit(h, p.now().UnixNano())
+		now := p.now().UnixNano()
+		for _, t := range hosts {
+			// A new exit IP: the session starts over as healthy.
+			t.consec.Store(0)
+			if t.held.Load() {
+				p.unhold(t)
+			}
+			if t.ejectedUntil.Load() != 0 {
+				p.readmit(t, now)
+			}
 		}
 		r.ok = true
 		p.log.Debug("rotated sticky session", "id", h.id, "exit_ip", exitIP)
 	}
-	h.setFlags(fRotating, 0)
-	h.rot.Store(nil)
+	p.mu.Lock()
+	for _, t := range s.hosts {
+		t.setFlags(fRotating, 0)
+	}
+	if c := h.sess.Load(); c == s || c == nil || c.rot.Load() == nil {
+		h.setFlags(fRotating, 0) // draining, or linked elsewhere since it asked
+	}
+	s.rot.Store(nil)
+	p.mu.Unlock()
 	close(r.done)
+	kind := EventRotationFailed
 	if r.ok {
-		p.record(EventRotated, h.id, u.Service, result)
-	} else {
-		p.record(EventRotationFailed, h.id, u.Service, result)
+		kind = EventRotated
+	}
+	for _, t := range hosts {
+		p.record(kind, t.id, t.cur.Load().Service, result) // once per upstream ID
 	}
 	p.rotated(u.Service, result)
 	if r.ok {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -192,7 +193,7 @@ func TestRotationReleasesWaitingKeys(t *testing.T) {
 			}
 		}
 	}
-	r := handle(p, ss[0]).h.rot.Load()
+	r := rotationOf(handle(p, ss[0]))
 	waitFor(t, "the picks to wait", func() bool { return r.waiting.Load() == waiters })
 	select {
 	case r := <-got:
@@ -272,7 +273,7 @@ func TestRotationFailing(t *testing.T) {
 		got <- u
 	}()
 	waitFor(t, "the rotation to start", func() bool { return rot.count() == 1 })
-	r := handle(p, ss[0]).h.rot.Load()
+	r := rotationOf(handle(p, ss[0]))
 	waitFor(t, "the pick to wait", func() bool { return r.waiting.Load() == 1 })
 	start := time.Now()
 	release <- struct{}{}
@@ -319,4 +320,129 @@ func TestRotationFailing(t *testing.T) {
 	if s := stateOf(t, p, ss[1].ID()); s.State != Healthy || s.ExitIP != "203.0.113.200" || s.Reason != "" {
 		t.Errorf("after a successful rotation: %+v", s)
 	}
+}
+
+// rotationOf is the rotation under way of u's session, or nil.
+func rotationOf(u *Upstream) *rotation { return u.h.rotation() }
+
+// twins makes each session of ss dialable over HTTP and SOCKS5: two
+// upstreams of one session, on the gateway's two ports.
+func twins(ss []Upstream) []Upstream {
+	var out []Upstream
+	for _, s := range ss {
+		h, k := s, s
+		h.Address = "198.51.100.1:3081"
+		k.Protocol, k.Address = SOCKS5, "198.51.100.1:2087"
+		out = append(out, h, k)
+	}
+	return out
+}
+
+// A session dialable over HTTP and SOCKS5 is two upstreams and one
+// session: whichever of them asks, it is rotated once per interval, both
+// are rotating until the provider answers (a key on either waits), both
+// get the new exit IP, and each records its event.
+func TestRotationIsPerSession(t *testing.T) {
+	clk := newClock()
+	release := make(chan struct{})
+	started := make(chan string, 10)
+	rot := &fakeRotator{seen: started, fn: func(ctx context.Context, session string) (string, error) {
+		select {
+		case <-release:
+			return "203.0.113.5" + session[1:], nil
+		case <-ctx.Done():
+			return "", ctx.Err()
+		}
+	}}
+	var rs rotations
+	events := NewEventLog(0, nil, clk.Now)
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = time.Minute }),
+		Options{Now: clk.Now, Rotator: rot, Events: events, Hooks: Hooks{Rotated: rs.hook}})
+	set := twins(sessions(7, 3, "198.51.100.1"))
+	p.Update(set)
+	s0h, s0s, s1h, s1s := set[0], set[1], set[2], set[3]
+	key := stickyOn(t, p, s1s.ID())
+
+	// The exit IP is errored: both upstreams ask, the session is rotated once.
+	p.SetProviderStatus(7, []string{s0h.ExitIP}, nil)
+	if got := <-started; got != "s0" {
+		t.Fatalf("rotated %s", got)
+	}
+	for _, u := range []Upstream{s0h, s0s} {
+		waitFor(t, u.ID()+" rotating", func() bool { return stateOf(t, p, u.ID()).State == Rotating })
+		if s := stateOf(t, p, u.ID()); s.Reason != "exit ip on the provider's errored list" {
+			t.Errorf("%s: rotating for %q", u.ID(), s.Reason)
+		}
+	}
+	release <- struct{}{}
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
+	for _, u := range []Upstream{s0h, s0s} {
+		if s := stateOf(t, p, u.ID()); s.State != Healthy || s.ExitIP != "203.0.113.50" {
+			t.Errorf("%s after the rotation: %s, exit ip %s", u.ID(), s.State, s.ExitIP)
+		}
+	}
+	// Within the interval, a failure of the twin is held back too.
+	fail(p, handle(p, s0s), 1)
+
+	// A failure of the HTTP upstream rotates the session; its SOCKS5
+	// upstream is rotating as well, and a key on it waits for the answer.
+	fail(p, handle(p, s1h), 1)
+	if got := <-started; got != "s1" {
+		t.Fatalf("rotated %s", got)
+	}
+	waitFor(t, "the twin rotating", func() bool { return stateOf(t, p, s1s.ID()).State == Rotating })
+	if s := stateOf(t, p, s1s.ID()); s.Reason != "dial_refused" {
+		t.Errorf("twin rotating for %q", s.Reason)
+	}
+	// A refresh meanwhile (the agent has seen s0's new exit IP) keeps it so.
+	refresh := slices.Clone(set)
+	refresh[0].ExitIP, refresh[1].ExitIP = "203.0.113.50", "203.0.113.50"
+	p.Update(refresh)
+	for _, u := range []Upstream{s1h, s1s} {
+		if s := stateOf(t, p, u.ID()); s.State != Rotating {
+			t.Errorf("%s after a refresh: %s", u.ID(), s.State)
+		}
+	}
+	for range 8 {
+		if u := pickReport(t, p, Request{}, Success); u.Session == "s1" {
+			t.Fatalf("picked %s of the rotating session", u.ID())
+		}
+	}
+	got := make(chan *Upstream, 1)
+	go func() {
+		u, err := p.Pick(context.Background(), Request{Key: key})
+		if err != nil {
+			t.Error(err)
+		}
+		got <- u
+	}()
+	r := rotationOf(handle(p, s1s))
+	if r == nil {
+		t.Fatal("no rotation under way for the twin")
+	}
+	waitFor(t, "the key's pick to wait", func() bool { return r.waiting.Load() == 1 })
+	release <- struct{}{}
+	if u := <-got; u == nil || u.ID() != s1s.ID() || u.ExitIP != "203.0.113.51" {
+		t.Fatalf("the waiting key got %+v", u)
+	} else {
+		p.Report(u, Success, time.Millisecond)
+		p.Release(u)
+	}
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 3 })
+	if s := stateOf(t, p, s1h.ID()); s.State != Healthy || s.ExitIP != "203.0.113.51" || s.ConsecutiveFailures != 0 {
+		t.Errorf("%s after the rotation: %+v", s1h.ID(), s)
+	}
+	if n := rot.count(); n != 2 {
+		rot.mu.Lock()
+		t.Errorf("%d rotations, want one per session: %v", n, rot.calls)
+		rot.mu.Unlock()
+	}
+	if got := rs.get(); !slices.Equal(got, []string{"ok", "rate_limited", "ok"}) {
+		t.Errorf("results %v", got)
+	}
+	wantEvents(t, events, EventRotated,
+		Event{Kind: EventRotated, Upstream: s1s.ID(), Service: 7, Reason: "ok"},
+		Event{Kind: EventRotated, Upstream: s1h.ID(), Service: 7, Reason: "ok"},
+		Event{Kind: EventRotated, Upstream: s0s.ID(), Service: 7, Reason: "ok"},
+		Event{Kind: EventRotated, Upstream: s0h.ID(), Service: 7, Reason: "ok"})
 }

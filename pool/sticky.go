@@ -219,7 +219,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 				sh.mu.Unlock()
 				return h.cur.Load(), nil
 			}
-			if r := h.rot.Load(); r != nil && !waited {
+			if r := h.rotation(); r != nil && !waited {
 				sh.mu.Unlock()
 				done, err := p.waitRotation(ctx, r, cfg.RotateWait)
 				if err != nil {
