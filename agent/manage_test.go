@@ -6,7 +6,9 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -251,5 +253,67 @@ func TestManageOff(t *testing.T) {
 	}
 	if got := events.kinds(); len(got) != 0 {
 		t.Errorf("events with [manage] off: %v", got)
+	}
+}
+
+// The status loop's heartbeat keeps beating while it renews a list and
+// polls the new one, each answer within the API timeout: the daemon's
+// watchdog (Alive with the API timeout + 10s) must not see it stuck. Here
+// each slow answer takes 500ms and the status loop must beat at least
+// every 800ms, through a PUT and two list fetches. (Only its heartbeat is
+// read: the other loops do not run here.)
+func TestManageStatusLoopBeatsWhilePollingNewList(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	var slow atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if slow.Load() && (r.Method == http.MethodPut || strings.HasPrefix(r.URL.Path, "/api/iplist/")) {
+			time.Sleep(500 * time.Millisecond)
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	c, err := New(clientConfig(srv.URL, "sim-token", 2*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101}
+		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: time.Minute}
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+	pollAll(t, p)
+	// The share has held for longer than update_list_after.
+	p.mu.Lock()
+	p.manage[101].heldSince = p.now().Add(-time.Hour)
+	p.mu.Unlock()
+	slow.Store(true)
+	puts := sim.Requests(RouteService)
+	done := make(chan error, 1)
+	go func() { done <- p.PollOnce(context.Background(), LoopStatus) }()
+	const maxAge = 800 * time.Millisecond
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	var stuck time.Duration
+	for {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+			if stuck > 0 {
+				t.Errorf("the status loop did not beat for more than %v, about %v in all, in one round", maxAge, stuck)
+			}
+			if sim.Requests(RouteService) == puts {
+				t.Error("no list update was requested: the test proved nothing")
+			}
+			return
+		case <-tick.C:
+			if time.Since(time.Unix(0, p.beats[LoopStatus].Load())) > maxAge {
+				stuck += 20 * time.Millisecond
+			}
+		}
 	}
 }

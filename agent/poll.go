@@ -770,7 +770,7 @@ func (p *Poller) pollLists(ctx context.Context) error {
 	fetched := 0
 	_, _, gen := p.current()
 	for _, id := range p.served() {
-		ok, err := p.pollServiceLists(ctx, id)
+		ok, err := p.pollServiceLists(ctx, LoopLists, id)
 		if err != nil && firstErr == nil {
 			firstErr = err
 		}
@@ -789,8 +789,10 @@ func (p *Poller) pollLists(ctx context.Context) error {
 
 // pollServiceLists fetches the IP lists (and sticky sessions) of one
 // service and swaps in what is accepted; ok reports that every fetch
-// succeeded.
-func (p *Poller) pollServiceLists(ctx context.Context, id int) (ok bool, firstErr error) {
+// succeeded. owner is the loop doing the work (the lists loop, or the
+// status loop polling a list it had renewed): each answer beats its
+// heartbeat, so that a slow API never makes it look stuck.
+func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok bool, firstErr error) {
 	client, cfg, gen := p.current()
 	p.mu.Lock()
 	st := p.services[id]
@@ -805,8 +807,8 @@ func (p *Poller) pollServiceLists(ctx context.Context, id int) (ok bool, firstEr
 	lists := map[string][]Entry{}
 	ok = true
 	for _, typ := range listTypes(kind, cfg.Protocols) {
-		l, err := p.fetchList(ctx, client, id, typ)
-		p.beat(LoopLists)
+		l, err := p.fetchList(ctx, owner, client, id, typ)
+		p.beat(owner)
 		if err != nil {
 			ok = false
 			if firstErr == nil {
@@ -824,7 +826,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, id int) (ok bool, firstEr
 	stickyOK := true
 	if kind == "ppr" {
 		sl, err := client.StickyList(ctx, id)
-		p.beat(LoopLists)
+		p.beat(owner)
 		if err != nil {
 			stickyOK = false
 			if firstErr == nil {
@@ -832,7 +834,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, id int) (ok bool, firstEr
 			}
 		} else {
 			sticky = sl.Sessions
-			resolved = p.resolveServers(ctx, cfg, sticky)
+			resolved = p.resolveServers(ctx, owner, cfg, sticky)
 		}
 	}
 	p.mu.Lock()
@@ -874,8 +876,9 @@ var listFormats = [...]string{"json", "txt", "csv"}
 // fetchList fetches one IP list in the format that last parsed for its type
 // (json at first). When the answer cannot be parsed, the next formats are
 // tried in the same round, and the first that parses is kept for the type
-// from then on (logged once, when it changes).
-func (p *Poller) fetchList(ctx context.Context, client *Client, id int, typ string) (*IPList, error) {
+// from then on (logged once, when it changes). Each answer beats loop
+// owner.
+func (p *Poller) fetchList(ctx context.Context, owner Loop, client *Client, id int, typ string) (*IPList, error) {
 	p.mu.Lock()
 	current := p.formats[typ]
 	p.mu.Unlock()
@@ -904,7 +907,7 @@ func (p *Poller) fetchList(ctx context.Context, client *Client, id int, typ stri
 		if !errors.As(err, &de) {
 			break // not a parsing problem: another format will not help
 		}
-		p.beat(LoopLists)
+		p.beat(owner)
 	}
 	return nil, firstErr
 }

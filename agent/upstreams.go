@@ -205,7 +205,8 @@ const resolveTimeout = 5 * time.Second
 // that are host names, once per lists round: a session's port is then
 // found in lists that name the gateway by IP. A failed lookup leaves the
 // server out (its sessions match by name or as the list's single entry).
-func (p *Poller) resolveServers(ctx context.Context, cfg PollConfig, sessions []StickySession) map[string][]string {
+// Each lookup beats loop owner.
+func (p *Poller) resolveServers(ctx context.Context, owner Loop, cfg PollConfig, sessions []StickySession) map[string][]string {
 	lookup := cfg.LookupHost
 	if lookup == nil {
 		lookup = net.DefaultResolver.LookupHost
@@ -227,7 +228,7 @@ func (p *Poller) resolveServers(ctx context.Context, cfg PollConfig, sessions []
 			out = map[string][]string{}
 		}
 		addrs, err := lookup(ctx, ss.Server)
-		p.beat(LoopLists)
+		p.beat(owner)
 		if err != nil {
 			p.log.Debug("resolving sticky session server", "server", ss.Server, "err", err)
 			out[ss.Server] = nil

@@ -229,7 +229,7 @@ func TestResolveServersOncePerRound(t *testing.T) {
 		}
 	}))
 	_, cfg, _ := p.current()
-	got := p.resolveServers(context.Background(), cfg, []StickySession{{Server: gwName}, {Server: gwName}, {Server: "192.0.2.7"}, {Server: "other.example"}})
+	got := p.resolveServers(context.Background(), LoopLists, cfg, []StickySession{{Server: gwName}, {Server: gwName}, {Server: "192.0.2.7"}, {Server: "other.example"}})
 	if !slices.Equal(asked, []string{gwName, "other.example"}) || len(got) != 2 || !slices.Equal(got[gwName], []string{gwIP}) {
 		t.Errorf("asked %v, got %v", asked, got)
 	}
