@@ -110,7 +110,13 @@ type ServiceState struct {
 	Inactive    []string           // networkstatus/inactive
 	Rate, Limit float64            // ppr usage; HasUsage when known
 	HasUsage    bool
-	ListsKnown  bool // every needed list was fetched at least once
+	// ListsKnown: every needed list was fetched and swapped in at least
+	// once, so the daemon may serve what they give instead of what it had.
+	// A list awaiting confirmation (see Poller.confirm) holds the service
+	// back, except a first answer that is empty while another list of the
+	// service came with entries: there is nothing older to keep then, and
+	// the service's entries are served while the empty list is confirmed.
+	ListsKnown bool
 	// StatusKnown: both network-status lists were fetched at least once
 	// (in one round). Each list is updated whenever its own fetch
 	// succeeds; one whose fetch fails keeps its last good value.
@@ -176,6 +182,10 @@ type Poller struct {
 
 	beats  [numLoops]atomic.Int64 // unix nanos of each loop's last heartbeat
 	rounds [numLoops]atomic.Int64 // rounds completed, successful or not
+	// awaiting is set when the loop's last round left a list (the service
+	// list, an IP list, a sticky list) awaiting confirmation: its next
+	// round comes after confirmWait, not the interval.
+	awaiting [numLoops]atomic.Bool
 }
 
 // NewPoller returns a Poller; onChange may be nil. cfg is used as given:
@@ -282,6 +292,21 @@ func (p *Poller) Run(ctx context.Context) error {
 // heartbeatEvery is how often an idle loop shows it is alive.
 const heartbeatEvery = time.Second
 
+// A list awaiting confirmation is polled again after a tenth of its loop's
+// interval, at most maxConfirmWait, for at most maxConfirmRounds rounds in
+// a row; then at the interval again (a list whose size keeps changing is
+// not polled fast for ever).
+const (
+	maxConfirmWait   = 10 * time.Second
+	maxConfirmRounds = 3
+)
+
+// confirmWait is how soon a loop with interval polls a list awaiting
+// confirmation again.
+func confirmWait(interval time.Duration) time.Duration {
+	return min(interval/10, maxConfirmWait)
+}
+
 func (p *Poller) interval(l Loop) time.Duration {
 	_, cfg, _ := p.current()
 	return [numLoops]time.Duration{cfg.Account, cfg.IPList, cfg.NetworkStatus, cfg.Usage}[l]
@@ -293,6 +318,7 @@ func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
 		return
 	}
 	failures := 0
+	confirming := 0 // rounds in a row brought forward to confirm a list
 	for {
 		err := p.PollOnce(ctx, l)
 		afterRound()
@@ -303,6 +329,13 @@ func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
 			failures++
 		}
 		wait := p.nextWait(p.interval(l), failures, err)
+		switch {
+		case !p.awaiting[l].Load():
+			confirming = 0
+		case err == nil && confirming < maxConfirmRounds:
+			confirming++
+			wait = min(wait, p.jitter(confirmWait(p.interval(l))))
+		}
 		if err != nil {
 			p.log.Warn("provider API poll failed", "loop", l.String(), "err", err, "failures", failures, "retry_in", wait.Round(time.Millisecond))
 			if _, named, capped := p.rateLimitWait(err); capped {
@@ -637,6 +670,7 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 	}
 	listOK := len(cfg.Services) > 0 || p.confirm("services", len(items))
 	p.mu.Unlock()
+	p.awaiting[LoopAccount].Store(!listOK)
 	if !listOK {
 		// An empty service list, or one far smaller than the last, would
 		// take every upstream away: wait for the next poll to confirm it.
@@ -768,16 +802,19 @@ func listTypes(kind string, protocols []string) []string {
 func (p *Poller) pollLists(ctx context.Context) error {
 	var firstErr error
 	fetched := 0
+	awaiting := false
 	_, _, gen := p.current()
 	for _, id := range p.served() {
-		ok, err := p.pollServiceLists(ctx, LoopLists, id)
+		ok, held, err := p.pollServiceLists(ctx, LoopLists, id)
 		if err != nil && firstErr == nil {
 			firstErr = err
 		}
 		if ok {
 			fetched++
 		}
+		awaiting = awaiting || held
 	}
+	p.awaiting[LoopLists].Store(awaiting)
 	p.mu.Lock()
 	if firstErr == nil && fetched > 0 && p.gen == gen {
 		p.snap.ListsUpdated = p.now()
@@ -789,10 +826,11 @@ func (p *Poller) pollLists(ctx context.Context) error {
 
 // pollServiceLists fetches the IP lists (and sticky sessions) of one
 // service and swaps in what is accepted; ok reports that every fetch
-// succeeded. owner is the loop doing the work (the lists loop, or the
-// status loop polling a list it had renewed): each answer beats its
-// heartbeat, so that a slow API never makes it look stuck.
-func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok bool, firstErr error) {
+// succeeded, awaiting that a list awaits confirmation. owner is the loop
+// doing the work (the lists loop, or the status loop polling a list it had
+// renewed): each answer beats its heartbeat, so that a slow API never makes
+// it look stuck.
+func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok, awaiting bool, firstErr error) {
 	client, cfg, gen := p.current()
 	p.mu.Lock()
 	st := p.services[id]
@@ -802,7 +840,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok b
 	}
 	p.mu.Unlock()
 	if st == nil {
-		return false, nil
+		return false, false, nil
 	}
 	lists := map[string][]Entry{}
 	ok = true
@@ -841,33 +879,47 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok b
 	defer p.mu.Unlock()
 	st = p.services[id]
 	if st == nil || p.gen != gen {
-		return false, nil
+		return false, false, nil
 	}
-	accepted := true
-	for typ, entries := range lists {
-		key := fmt.Sprintf("%d/%s", id, typ)
-		if p.confirm(key, len(entries)) {
-			st.Lists[typ] = entries
+	// withheld: a list awaits confirmation with a last good size behind it
+	// (from this process or the daemon's saved state); firstEmpty: one
+	// awaits it after an empty first answer, with nothing older to keep.
+	withheld, firstEmpty, entries := false, false, false
+	take := func(key, what string, n int) bool {
+		last, seen := p.lastGood[key]
+		if p.confirm(key, n) {
+			entries = entries || n > 0
+			return true
+		}
+		awaiting = true
+		if seen {
+			withheld = true
+			p.log.Warn(what+" shrank; keeping the last good one until the next poll confirms it",
+				"service", id, "list", key, "entries", n, "last_good", last)
 		} else {
-			accepted = false
-			p.log.Warn("IP list shrank; keeping the last good one until the next poll confirms it",
-				"service", id, "type", typ, "entries", len(entries), "last_good", p.lastGood[key])
+			firstEmpty = true
+			p.log.Info(what+" is empty on its first poll; the next poll confirms it", "service", id, "list", key)
+		}
+		return false
+	}
+	for typ, l := range lists {
+		if take(fmt.Sprintf("%d/%s", id, typ), "IP list", len(l)) {
+			st.Lists[typ] = l
 		}
 	}
 	if stickyOK && kind == "ppr" {
-		if p.confirm(fmt.Sprintf("%d/sticky", id), len(sticky)) {
+		if take(fmt.Sprintf("%d/sticky", id), "sticky session list", len(sticky)) {
 			st.Sticky = sticky
 			st.Resolved = resolved
-		} else {
-			accepted = false
 		}
 	}
-	// Known once every list was fetched and swapped in: until then
-	// the daemon keeps serving what it had for this service.
-	if ok && stickyOK && accepted {
+	// Known once every list was fetched and swapped in: until then the
+	// daemon keeps serving what it had for this service. A first empty
+	// answer holds back only a service that has no entries elsewhere.
+	if ok && stickyOK && !withheld && (!firstEmpty || entries) {
 		st.ListsKnown = true
 	}
-	return ok && stickyOK, firstErr
+	return ok && stickyOK, awaiting, firstErr
 }
 
 // listFormats is the order in which list formats are tried.
@@ -914,8 +966,11 @@ func (p *Poller) fetchList(ctx context.Context, owner Loop, client *Client, id i
 
 // confirm decides whether a fetched list of n entries replaces the last good
 // one: an empty list, or one less than half the last good one, is swapped
-// in only when the next poll brings the same size again. After a provider
-// change each key's first list is swapped in at once. Called with p.mu held.
+// in only when the next poll brings the same size again (an empty first
+// answer too: the provider answers [] for what it holds inactive, as its
+// sticky list does, and a passing [] must not empty the pool). The loop
+// brings that poll forward (confirmWait). After a provider change each key's first list is swapped
+// in at once. Called with p.mu held.
 func (p *Poller) confirm(key string, n int) bool {
 	last, seen := p.lastGood[key]
 	suspicious := n == 0 && (!seen || last > 0) || seen && n*2 < last

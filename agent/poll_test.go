@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -678,5 +679,145 @@ func TestPollerUsageBackoffPerService(t *testing.T) {
 	p.round(ctx, LoopUsage, true)
 	if requests(104) != before+1 {
 		t.Error("Kick did not poll the service backing off")
+	}
+}
+
+// A first empty answer awaits confirmation but does not hold back the
+// service's lists that came with entries: a ppr service without sticky
+// sessions and an fpr service with an empty socks-ip list are served
+// after their first lists round.
+func TestPollerFirstEmptyListDoesNotHoldBackSiblings(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101, 104} }))
+	sim.SetEntries(101, "socks-ip", nil)
+	ctx := context.Background()
+	for _, l := range []Loop{LoopAccount, LoopLists} {
+		if err := p.PollOnce(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s := p.Snapshot()
+	if st := serviceByID(s, 104); !st.ListsKnown || len(st.Lists["ppr-http"]) == 0 || len(st.Sticky) != 0 {
+		t.Errorf("ppr 104 without sessions: known %v, ppr-http %d entries, sticky %d; want known with its entries",
+			st.ListsKnown, len(st.Lists["ppr-http"]), len(st.Sticky))
+	}
+	if st := serviceByID(s, 101); !st.ListsKnown || len(st.Lists["http-auth"]) == 0 || len(st.Lists["socks-ip"]) != 0 {
+		t.Errorf("fpr 101 with an empty socks-ip list: known %v, http-auth %d entries, socks-ip %d; want known",
+			st.ListsKnown, len(st.Lists["http-auth"]), len(st.Lists["socks-ip"]))
+	}
+	if !p.awaiting[LoopLists].Load() {
+		t.Error("the empty lists await confirmation, but the round does not say so")
+	}
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if p.awaiting[LoopLists].Load() {
+		t.Error("the empty lists are still awaiting confirmation after the second round")
+	}
+}
+
+// An empty sticky list where the saved state had sessions still needs
+// confirmation before it replaces them, and the confirming poll comes
+// soon: a tenth of ip_list, not ip_list.
+func TestPollerRunConfirmsEmptyListSoon(t *testing.T) {
+	cfg := pollConfig(func(c *PollConfig) {
+		c.Services = []int{104}
+		c.IPList = 5 * time.Second
+		c.Jitter = 0
+	})
+	q, _, _ := newPollerForTest(t, cfg)
+	q.Seed(map[string]int{"104/sticky": 2})
+	ctx := context.Background()
+	for _, l := range []Loop{LoopAccount, LoopLists} {
+		if err := q.PollOnce(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if serviceByID(q.Snapshot(), 104).ListsKnown {
+		t.Fatal("an empty sticky list replaced the saved sessions without confirmation")
+	}
+
+	p, _, _ := newPollerForTest(t, cfg)
+	p.Seed(map[string]int{"104/sticky": 2})
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); p.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	start := time.Now()
+	waitUntil(t, 2500*time.Millisecond, "the empty sticky list was not confirmed within half of ip_list", func() bool {
+		st := serviceByID(p.Snapshot(), 104)
+		return st != nil && st.ListsKnown
+	})
+	if n := p.Rounds(LoopLists); n < 2 {
+		t.Errorf("confirmed after %d lists rounds, want 2", n)
+	}
+	t.Logf("confirmed %v after Run started", time.Since(start).Round(time.Millisecond))
+}
+
+// A list whose size keeps changing is polled early at most
+// maxConfirmRounds times in a row, then at ip_list again.
+func TestPollerRunConfirmRoundsBounded(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	var ten []providersim.Entry
+	for i := range 10 {
+		ten = append(ten, providersim.Entry{Host: fmt.Sprintf("10.0.1.%d", i+1), Port: 8080, Login: "u", Password: "p"})
+	}
+	sim.SetEntries(101, "http-auth", ten)
+	var mu sync.Mutex
+	var times []time.Time
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasPrefix(r.URL.Path, "/api/iplist/http-auth/") {
+			mu.Lock()
+			times = append(times, time.Now())
+			n := len(times)
+			mu.Unlock()
+			// 10 entries, then 1, 2, 1, 2, …: each far smaller than 10
+			// and never the same twice in a row.
+			if n > 1 {
+				body := `["10.0.1.1:8080"]`
+				if n%2 == 1 {
+					body = `["10.0.1.1:8080","10.0.1.2:8080"]`
+				}
+				io.WriteString(w, body)
+				return
+			}
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols = []int{101}, []string{"http"}
+		c.IPList, c.Jitter = time.Second, 0
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); p.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitUntil(t, 10*time.Second, "fewer than 6 list requests", func() bool { mu.Lock(); defer mu.Unlock(); return len(times) >= 6 })
+	mu.Lock()
+	defer mu.Unlock()
+	var gaps []time.Duration
+	for i := 1; i < 6; i++ {
+		gaps = append(gaps, times[i].Sub(times[i-1]))
+	}
+	// 10 (known) → 1s → 1 (awaiting) → 100ms → 2 → 100ms → 1 → 100ms → 2
+	// (three early rounds done) → 1s.
+	early, late := gaps[1:4], gaps[4]
+	for _, g := range early {
+		if g > 600*time.Millisecond {
+			t.Errorf("gaps %v: an early confirmation round came after %v, want about 100ms", gaps, g)
+		}
+	}
+	if late < 800*time.Millisecond {
+		t.Errorf("gaps %v: a fourth early round after %v, want ip_list (1s)", gaps, late)
+	}
+	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != 10 {
+		t.Errorf("%d entries: the unconfirmed small lists replaced the last good one of 10", n)
 	}
 }
