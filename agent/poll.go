@@ -121,9 +121,11 @@ type ServiceState struct {
 	// (in one round). Each list is updated whenever its own fetch
 	// succeeds; one whose fetch fails keeps its last good value.
 	StatusKnown bool
-	// Resolved maps each sticky session's server that is not an IP address
-	// to the addresses it resolved to in the last lists round: how a
-	// session's port is found in a list of IPs. Empty when the lookup failed.
+	// Resolved maps each host name among the sticky sessions' servers and
+	// the list entries' hosts to the addresses it resolved to in the last
+	// lists round: how a session's port is found in a list of IPs, and the
+	// IP the network-status lists name for an upstream dialed by name
+	// (UpstreamSpec.StatusIP). Empty when the lookup failed.
 	Resolved map[string][]string
 }
 
@@ -835,8 +837,10 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok, 
 	p.mu.Lock()
 	st := p.services[id]
 	kind := ""
+	var hosts []string // host names of the lists and sessions kept, and of those fetched
 	if st != nil {
 		kind = st.Record.ProductType
+		hosts = hostNames(st.Sticky, st.Lists)
 	}
 	p.mu.Unlock()
 	if st == nil {
@@ -860,7 +864,6 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok, 
 		lists[typ] = l.Entries
 	}
 	var sticky []StickySession
-	var resolved map[string][]string
 	stickyOK := true
 	if kind == "ppr" {
 		sl, err := client.StickyList(ctx, id)
@@ -872,9 +875,9 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok, 
 			}
 		} else {
 			sticky = sl.Sessions
-			resolved = p.resolveServers(ctx, owner, cfg, sticky)
 		}
 	}
+	resolved := p.resolveHosts(ctx, owner, cfg, append(hosts, hostNames(sticky, lists)...))
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	st = p.services[id]
@@ -910,9 +913,9 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok, 
 	if stickyOK && kind == "ppr" {
 		if take(fmt.Sprintf("%d/sticky", id), "sticky session list", len(sticky)) {
 			st.Sticky = sticky
-			st.Resolved = resolved
 		}
 	}
+	st.Resolved = resolved
 	// Known once every list was fetched and swapped in: until then the
 	// daemon keeps serving what it had for this service. A first empty
 	// answer holds back only a service that has no entries elsewhere.

@@ -27,6 +27,15 @@ type UpstreamSpec struct {
 	// MatchRecord, MatchList or MatchSingle; "" for upstreams that stand for
 	// no session.
 	Match string
+	// StatusIP is the IP address by which the provider's network-status
+	// lists (ServiceState.Errored, Inactive) name this upstream's proxy
+	// when Address names it by host name: an address the name resolved to
+	// in the last lists round (ServiceState.Resolved), the one the
+	// service's IP lists name if any, else the lowest. Compare the status
+	// lists with StatusIP when it is set, else with Address's host. Empty
+	// when Address's host is an IP address already, or the name did not
+	// resolve.
+	StatusIP string
 }
 
 // How a sticky session's port for a protocol was found.
@@ -50,7 +59,9 @@ var listProtocol = map[string]string{"http-auth": "http", "socks-ip": "socks5", 
 // it; when none did, the protocol's list entries serve as plain rotating
 // upstreams (the sessions are still rotated when their exit IP is errored).
 // A port is never dialed with a protocol whose list does not vouch for it,
-// unless the record itself names it for that protocol.
+// unless the record itself names it for that protocol. An upstream dialed
+// by host name carries the IP the network-status lists name it by
+// (StatusIP).
 func (s *ServiceState) Upstreams() []UpstreamSpec {
 	kind := s.Record.ProductType
 	var out []UpstreamSpec
@@ -76,7 +87,8 @@ func (s *ServiceState) Upstreams() []UpstreamSpec {
 				u, pw := creds(e)
 				sessions = append(sessions, UpstreamSpec{Service: s.ID, Kind: kind, Protocol: proto,
 					Address: addr, Username: u, Password: pw,
-					Server: ss.Server, Session: ss.Session, ExitIP: ss.ExitIP, Match: match})
+					Server: ss.Server, Session: ss.Session, ExitIP: ss.ExitIP, Match: match,
+					StatusIP: s.statusIP(addr)})
 			}
 		}
 		if len(sessions) > 0 {
@@ -85,11 +97,47 @@ func (s *ServiceState) Upstreams() []UpstreamSpec {
 		}
 		for _, e := range entries {
 			u, pw := creds(e)
+			addr := net.JoinHostPort(e.Host, strconv.Itoa(e.Port))
 			out = append(out, UpstreamSpec{Service: s.ID, Kind: kind, Protocol: proto,
-				Address: net.JoinHostPort(e.Host, strconv.Itoa(e.Port)), Username: u, Password: pw})
+				Address: addr, Username: u, Password: pw, StatusIP: s.statusIP(addr)})
 		}
 	}
 	return out
+}
+
+// statusIP is UpstreamSpec.StatusIP for an upstream dialed at addr.
+func (s *ServiceState) statusIP(addr string) string {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return ""
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		return ""
+	}
+	var resolved []netip.Addr
+	for name, addrs := range s.Resolved {
+		if strings.EqualFold(name, host) {
+			for _, a := range addrs {
+				if ip, err := netip.ParseAddr(a); err == nil {
+					resolved = append(resolved, ip.Unmap())
+				}
+			}
+		}
+	}
+	if len(resolved) == 0 {
+		return ""
+	}
+	slices.SortFunc(resolved, netip.Addr.Compare)
+	for _, ip := range resolved {
+		for _, entries := range s.Lists {
+			for _, e := range entries {
+				if containsAddr([]string{ip.String()}, e.Host) {
+					return ip.String()
+				}
+			}
+		}
+	}
+	return resolved[0].String()
 }
 
 // UnservedSessions returns the sticky sessions that got no upstream for any
@@ -198,15 +246,40 @@ func containsAddr(addrs []string, host string) bool {
 	return false
 }
 
-// resolveTimeout bounds the lookup of all sticky servers of one service.
+// resolveTimeout bounds the lookups of all host names of one service.
 const resolveTimeout = 5 * time.Second
 
-// resolveServers looks up the addresses of the sticky sessions' servers
-// that are host names, once per lists round: a session's port is then
-// found in lists that name the gateway by IP. A failed lookup leaves the
-// server out (its sessions match by name or as the list's single entry).
-// Each lookup beats loop owner.
-func (p *Poller) resolveServers(ctx context.Context, owner Loop, cfg PollConfig, sessions []StickySession) map[string][]string {
+// hostNames returns the sessions' servers and the list entries' hosts that
+// are not IP addresses, in order, repeats included.
+func hostNames(sessions []StickySession, lists map[string][]Entry) []string {
+	var out []string
+	isName := func(h string) bool {
+		_, err := netip.ParseAddr(unbracket(h))
+		return h != "" && err != nil
+	}
+	for _, ss := range sessions {
+		if isName(ss.Server) {
+			out = append(out, ss.Server)
+		}
+	}
+	for _, typ := range slices.Sorted(maps.Keys(lists)) {
+		for _, e := range lists[typ] {
+			if isName(e.Host) {
+				out = append(out, e.Host)
+			}
+		}
+	}
+	return out
+}
+
+// resolveHosts looks up the addresses of hosts that are host names (the
+// provider's gateways: sticky servers, list entries), each once per lists
+// round: a session's port is then found in lists that name the gateway by
+// IP, and an upstream dialed by name gets the IP the network-status lists
+// name it by. A failed lookup leaves the name without addresses (its
+// sessions match by name or as the list's single entry). Each lookup
+// beats loop owner.
+func (p *Poller) resolveHosts(ctx context.Context, owner Loop, cfg PollConfig, hosts []string) map[string][]string {
 	lookup := cfg.LookupHost
 	if lookup == nil {
 		lookup = net.DefaultResolver.LookupHost
@@ -214,27 +287,27 @@ func (p *Poller) resolveServers(ctx context.Context, owner Loop, cfg PollConfig,
 	ctx, cancel := context.WithTimeout(ctx, resolveTimeout)
 	defer cancel()
 	var out map[string][]string
-	for _, ss := range sessions {
-		if ss.Server == "" {
+	for _, h := range hosts {
+		if h == "" {
 			continue
 		}
-		if _, done := out[ss.Server]; done {
+		if _, done := out[h]; done {
 			continue
 		}
-		if _, err := netip.ParseAddr(unbracket(ss.Server)); err == nil {
+		if _, err := netip.ParseAddr(unbracket(h)); err == nil {
 			continue
 		}
 		if out == nil {
 			out = map[string][]string{}
 		}
-		addrs, err := lookup(ctx, ss.Server)
+		addrs, err := lookup(ctx, h)
 		p.beat(owner)
 		if err != nil {
-			p.log.Debug("resolving sticky session server", "server", ss.Server, "err", err)
-			out[ss.Server] = nil
+			p.log.Debug("resolving a gateway's host name", "host", h, "err", err)
+			out[h] = nil
 			continue
 		}
-		out[ss.Server] = addrs
+		out[h] = addrs
 	}
 	return out
 }

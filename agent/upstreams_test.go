@@ -229,8 +229,91 @@ func TestResolveServersOncePerRound(t *testing.T) {
 		}
 	}))
 	_, cfg, _ := p.current()
-	got := p.resolveServers(context.Background(), LoopLists, cfg, []StickySession{{Server: gwName}, {Server: gwName}, {Server: "192.0.2.7"}, {Server: "other.example"}})
+	got := p.resolveHosts(context.Background(), LoopLists, cfg, hostNames([]StickySession{{Server: gwName}, {Server: gwName}, {Server: "192.0.2.7"}, {Server: "other.example"}}, nil))
 	if !slices.Equal(asked, []string{gwName, "other.example"}) || len(got) != 2 || !slices.Equal(got[gwName], []string{gwIP}) {
 		t.Errorf("asked %v, got %v", asked, got)
+	}
+}
+
+// TestUpstreamsStatusIP: an upstream dialed by host name carries the IP
+// the network-status lists name its gateway by; one dialed by IP carries
+// none.
+func TestUpstreamsStatusIP(t *testing.T) {
+	const other = "192.0.2.5" // lower than gwIP
+	session := StickySession{Server: gwName, Session: "s1", Ports: map[string]int{"http": 3081, "socks5": 2087}}
+	for _, tc := range []struct {
+		name     string
+		lists    map[string][]Entry
+		sticky   []StickySession
+		resolved map[string][]string
+		want     map[string]string // address → StatusIP, for every upstream
+	}{
+		{"lists by name", map[string][]Entry{"ppr-http": byNameHTTP, "ppr-socks": byNameSOCKS}, nil,
+			map[string][]string{gwName: resolvedGW},
+			map[string]string{gwName + ":3081": gwIP, gwName + ":3082": gwIP, gwName + ":2087": gwIP}},
+		{"lists by IP", map[string][]Entry{"ppr-http": byIPHTTP, "ppr-socks": byIPSOCKS}, nil,
+			map[string][]string{gwName: resolvedGW},
+			map[string]string{gwIP + ":3081": "", gwIP + ":3082": "", gwIP + ":2087": ""}},
+		{"record ports at the server's name, lists by IP", map[string][]Entry{"ppr-http": byIPHTTP, "ppr-socks": byIPSOCKS},
+			[]StickySession{session}, map[string][]string{gwName: resolvedGW},
+			map[string]string{gwName + ":3081": gwIP, gwName + ":2087": gwIP}},
+		{"several addresses: the one a list names", map[string][]Entry{"ppr-http": byNameHTTP, "ppr-socks": byIPSOCKS}, nil,
+			map[string][]string{gwName: {other, gwIP}},
+			map[string]string{gwName + ":3081": gwIP, gwName + ":3082": gwIP, gwIP + ":2087": ""}},
+		{"several addresses, none listed: the lowest", map[string][]Entry{"ppr-http": byNameHTTP}, nil,
+			map[string][]string{gwName: {gwIP, other}},
+			map[string]string{gwName + ":3081": other, gwName + ":3082": other}},
+		{"name not resolved", map[string][]Entry{"ppr-http": byNameHTTP}, nil,
+			map[string][]string{gwName: nil},
+			map[string]string{gwName + ":3081": "", gwName + ":3082": ""}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st := &ServiceState{ID: 102, Record: Service{ProductType: "ppr"}, Lists: tc.lists, Sticky: tc.sticky, Resolved: tc.resolved}
+			got := map[string]string{}
+			for _, u := range st.Upstreams() {
+				got[u.Address] = u.StatusIP
+			}
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Errorf("StatusIP by address %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestSimGatewayByNameStatusIP: through the simulator, every upstream
+// dialed at the gateway's host name (session ports from the record, or
+// lists that name the gateway) carries the IP the errored list names it
+// by.
+func TestSimGatewayByNameStatusIP(t *testing.T) {
+	for _, layout := range []providersim.Layout{
+		{StickyPorts: providersim.StickyPortSplit},
+		{PPRHosts: providersim.PPRHostName, StickyPorts: providersim.StickyPortOne},
+	} {
+		t.Run(fmt.Sprintf("hosts=%s,ports=%s", layout.PPRHosts, layout.StickyPorts), func(t *testing.T) {
+			p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{102} }))
+			l := providersim.LayoutDefault
+			l.PPRHosts, l.StickyPorts = layout.PPRHosts, layout.StickyPorts
+			sim.SetLayout(l)
+			sim.MarkErrored(102, providersim.StickyGatewayAddr)
+			pollAll(t, p)
+			st := serviceByID(p.Snapshot(), 102)
+			byName := 0
+			for _, u := range st.Upstreams() {
+				host, _, _ := strings.Cut(u.Address, ":")
+				if host != providersim.StickyGateway {
+					if u.StatusIP != "" {
+						t.Errorf("%s upstream %s dialed by IP has StatusIP %q", u.Protocol, u.Address, u.StatusIP)
+					}
+					continue
+				}
+				byName++
+				if u.StatusIP != providersim.StickyGatewayAddr || !slices.Contains(st.Errored, u.StatusIP) {
+					t.Errorf("%s upstream %s: StatusIP %q, errored %v; want %s", u.Protocol, u.Address, u.StatusIP, st.Errored, providersim.StickyGatewayAddr)
+				}
+			}
+			if byName == 0 {
+				t.Error("no upstream dialed at the gateway's name: the test proved nothing")
+			}
+		})
 	}
 }
