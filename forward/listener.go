@@ -67,6 +67,7 @@ type Listener struct {
 	closed    bool           // Close: no new goroutines
 	wg        sync.WaitGroup // goroutines started by spawn
 	active    atomic.Int64
+	capped    *atomic.Int64 // connections counted against max_connections; shared by Succeed
 	fresh     atomic.Int64  // HTTP connections whose first request is not read yet
 	accepting chan struct{} // closed when Serve's accept loop ended; nil before Serve
 	rejects   atomic.Int64  // cap-rejection goroutines running
@@ -99,11 +100,20 @@ func NewListener(cfg Config, p Pool, obs Observer, logger *slog.Logger) (*Listen
 		cancel:  cancel,
 		conns:   make(map[*clientConn]struct{}),
 		upconns: make(map[net.Conn]struct{}),
+		capped:  new(atomic.Int64),
 	}
 	if cfg.Protocol == ProtocolHTTP {
 		l.initHTTP()
 	}
 	return l, nil
+}
+
+// Succeed makes l the successor of prev, a listener of the same name that
+// is being retired with connections still open: those count against l's
+// max_connections for as long as they last, so a reload does not lift the
+// cap. Call it before l serves.
+func (l *Listener) Succeed(prev *Listener) {
+	l.capped = prev.capped
 }
 
 type nopObserver struct{}
@@ -388,7 +398,7 @@ func (a *acceptor) Accept() (net.Conn, error) {
 			l.obs.Closed(OutcomeDenied, 0, 0, 0)
 			continue
 		}
-		if l.active.Load() >= int64(l.cfg.MaxConnections) {
+		if l.capped.Load() >= int64(l.cfg.MaxConnections) {
 			l.rejectOverCap(c)
 			continue
 		}
@@ -405,6 +415,7 @@ func (a *acceptor) Accept() (net.Conn, error) {
 		}
 		l.conns[cc] = struct{}{}
 		l.active.Add(1)
+		l.capped.Add(1)
 		l.mu.Unlock()
 		return cc, nil
 	}
@@ -536,6 +547,7 @@ func (c *clientConn) Close() error {
 		delete(l.conns, c)
 		l.mu.Unlock()
 		l.active.Add(-1)
+		l.capped.Add(-1)
 		o := OutcomeClientError
 		if v := c.outcome.Load(); v > 0 {
 			o = Outcome(v - 1)

@@ -198,7 +198,7 @@ func (d *daemon) Run(ctx context.Context) error {
 	d.mu.Lock()
 	cfg := d.cfg
 	for _, lc := range cfg.Listener {
-		if err := d.startListener(lc, nil); err != nil {
+		if err := d.startListener(lc, nil, nil); err != nil {
 			d.mu.Unlock()
 			d.closeListeners()
 			return err
@@ -274,11 +274,16 @@ func (d *daemon) adminAddr() string {
 }
 
 // startListener serves one listener on acc, or on a fresh socket bound to
-// its address when acc is nil; d.mu is held.
-func (d *daemon) startListener(lc listenerConfig, acc *acceptor) error {
+// its address when acc is nil; prev, if not nil, is the incarnation of the
+// same name a reload retires (its open connections count against the new
+// one's max_connections); d.mu is held.
+func (d *daemon) startListener(lc listenerConfig, acc *acceptor, prev *runningListener) error {
 	l, err := forward.NewListener(lc.Config, d.pool, d.metrics.Listener(lc.Name), d.log.With("listener", lc.Name))
 	if err != nil {
 		return fmt.Errorf("listener %s: %w", lc.Name, err)
+	}
+	if prev != nil {
+		l.Succeed(prev.l)
 	}
 	if acc == nil {
 		ln, err := forward.Listen(context.Background(), lc.Address)

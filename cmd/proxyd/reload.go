@@ -389,7 +389,7 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) err
 			acc = newAcceptor(ln, d.log.With("listener", lc.Name))
 			delete(sockets, lc.Name) // the acceptor owns it now
 		}
-		if err := d.startListener(lc, acc); err != nil {
+		if err := d.startListener(lc, acc, old[lc.Name]); err != nil {
 			return undo(err)
 		}
 		fresh = append(fresh, d.listeners[lc.Name])
@@ -419,7 +419,7 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) err
 // reattach serves rl's config again on its own socket after a reload that
 // took the socket was undone; d.mu is held.
 func (d *daemon) reattach(rl *runningListener) {
-	if err := d.startListener(rl.cfg, rl.acc); err != nil {
+	if err := d.startListener(rl.cfg, rl.acc, nil); err != nil {
 		d.log.Error("restoring a listener after a failed reload", "listener", rl.cfg.Name, "err", err)
 		return
 	}

@@ -596,3 +596,42 @@ func TestReloadKeepsTunnels(t *testing.T) {
 		})
 	}
 }
+
+// TestReloadKeepsTheCap: the connections a retired incarnation still holds
+// count against its successor's max_connections, so a reload does not
+// double the cap.
+func TestReloadKeepsTheCap(t *testing.T) {
+	e := startDaemon(t, newWorld(t), t.TempDir(), func(c *config) {
+		c.Listener[0].MaxConnections = 1
+		c.Listener[0].Users = []forward.User{{Name: "alice", Password: "pa"}}
+	})
+	e.waitReady()
+	echo := echoServer(t)
+	held, code := connectAs(t, e.d.listenerAddr("http"), echo, "alice", "pa")
+	if code != 200 {
+		t.Fatalf("first tunnel: %d", code)
+	}
+	defer held.Close()
+	next := e.cfg
+	next.Listener = slices.Clone(next.Listener)
+	next.Listener[0].IdleTimeout = 10 * time.Minute
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	addr := e.d.listenerAddr("http")
+	if c, code := connectAs(t, addr, echo, "alice", "pa"); code != http.StatusServiceUnavailable {
+		if c != nil {
+			c.Close()
+		}
+		t.Errorf("a second tunnel past max_connections = 1, one held from before the reload: %d, want 503", code)
+	}
+	roundTrip(t, held, "still open")
+	held.Close()
+	waitFor(t, "a tunnel once the held one closed", 5*time.Second, func() bool {
+		c, code := connectAs(t, addr, echo, "alice", "pa")
+		if c != nil {
+			c.Close()
+		}
+		return code == 200
+	})
+}
