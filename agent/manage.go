@@ -71,8 +71,8 @@ const (
 	ResultRateLimited = "rate_limited"
 )
 
-// Bounds of the wait a 429 names before the next list update; the upper one
-// also bounds the wait a 429 imposes on a poll loop (rateLimitWait).
+// Bounds of the wait a 429 imposes on a list update or a poll
+// (Poller.rateLimited).
 const (
 	minRateLimitWait = time.Second
 	maxRateLimitWait = time.Hour
@@ -154,7 +154,7 @@ func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id
 	p.event(Event{Kind: EventListUpdateRequested, Service: id, Reason: "errored or inactive IPs held the configured share"})
 	_, err := client.UpdateService(ctx, id, ServiceUpdate{UpdateList: true})
 	p.beat(LoopStatus)
-	var apiErr *APIError
+	next, _, _, limited := p.rateLimited(err)
 	switch {
 	case err == nil:
 		p.log.Info("new IP list requested", "service", id)
@@ -164,21 +164,14 @@ func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id
 		}
 		p.changed()
 		p.event(Event{Kind: EventListUpdated, Service: id, Result: ResultOK, Reason: "the provider replaced the IP list"})
-	case errors.Is(err, ErrTooManyAttempts) || errors.As(err, &apiErr) && apiErr.Status == 429:
-		now := p.now()
-		next := now.Add(minRateLimitWait)
-		if errors.As(err, &apiErr) && apiErr.NextAllowed.After(next) {
-			next = apiErr.NextAllowed
-		}
-		if limit := now.Add(maxRateLimitWait); next.After(limit) {
-			next = limit
-		}
+	case limited:
 		p.mu.Lock()
 		if m := p.manage[id]; m != nil && p.gen == gen {
 			m.nextAllowed = next
 		}
 		p.mu.Unlock()
 		p.log.Warn("new IP list refused until the provider's next allowed time", "service", id, "next", next.UTC())
+		p.logRateLimitCapped(err, "requesting a new IP list", "service", id)
 		p.event(Event{Kind: EventListUpdateFailed, Service: id, Result: ResultRateLimited,
 			Reason: "rate limited until " + next.UTC().Format(time.DateTime) + " UTC"})
 	default:

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/proxyd/proxyd/agent/providersim"
+	"github.com/proxyd/proxyd/internal/syncbuf"
 )
 
 // fakeClock is a settable clock shared by the poller and the simulator.
@@ -189,7 +191,8 @@ func TestManageHonoursRateLimit(t *testing.T) {
 }
 
 // The wait a 429 imposes is at least 1s and at most 1h, whatever time it
-// names, read as UTC.
+// names, read as UTC; a time beyond the hour is logged as the poll loops
+// log it.
 func TestManageRateLimitBounds(t *testing.T) {
 	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
 	for _, tc := range []struct {
@@ -217,10 +220,11 @@ func TestManageRateLimitBounds(t *testing.T) {
 				t.Fatal(err)
 			}
 			events := &eventLog{}
+			var logBuf syncbuf.Buffer
 			p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
 				c.Manage = ManageConfig{UpdateListShare: 1, UpdateListAfter: time.Minute}
 				c.OnEvent = events.add
-			}), nil, nil)
+			}), nil, slog.New(slog.NewTextHandler(&logBuf, nil)))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -232,6 +236,11 @@ func TestManageRateLimitBounds(t *testing.T) {
 			}
 			if got := events.kinds(); !slices.Equal(got, []string{EventListUpdateRequested + "/", EventListUpdateFailed + "/" + ResultRateLimited}) {
 				t.Errorf("events %v", got)
+			}
+			capped := strings.Contains(logBuf.String(), "beyond the longest wait")
+			if want := tc.name == "far away"; capped != want ||
+				want && !strings.Contains(logBuf.String(), "next_allowed=2026-11-22T10:00:00.000Z longest_wait=1h0m0s") {
+				t.Errorf("capped logged %v, want %v:\n%s", capped, want, logBuf.String())
 			}
 		})
 	}

@@ -338,16 +338,8 @@ func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
 			confirming++
 			wait = min(wait, p.jitter(confirmWait(p.interval(l))))
 		}
-		if err != nil {
-			p.log.Warn("provider API poll failed", "loop", l.String(), "err", err, "failures", failures, "retry_in", wait.Round(time.Millisecond))
-			if _, named, capped := p.rateLimitWait(err); capped {
-				p.log.Warn("the provider's next allowed time is beyond the longest wait; polling again before it",
-					"loop", l.String(), "next_allowed", named.UTC(), "longest_wait", maxRateLimitWait)
-			}
-		} else {
-			if failures > 0 {
-				p.log.Info("provider API poll recovered", "loop", l.String(), "after_failures", failures)
-			}
+		p.logPoll(l, err, failures, wait)
+		if err == nil {
 			failures = 0
 		}
 		t := time.NewTimer(wait)
@@ -460,16 +452,35 @@ func (p *Poller) serviceDone(ctx context.Context, l Loop, roundNext time.Time, i
 	p.mu.Lock()
 	c.next = next
 	p.mu.Unlock()
+	if err == nil {
+		failures = before // a recovery is logged with the failures it ends
+	}
+	p.logPoll(l, err, failures, wait, "service", id)
+}
+
+// logPoll logs the outcome of one poll in loop l: a failure with the
+// failures in a row and the wait before the next try (and a 429's time
+// beyond the longest wait), or, with err nil, a recovery after failures
+// (none logged when failures is 0). what names the service polled, as
+// slog key-value pairs.
+func (p *Poller) logPoll(l Loop, err error, failures int, wait time.Duration, what ...any) {
+	attrs := slices.Concat([]any{"loop", l.String()}, what)
 	switch {
 	case err != nil:
-		p.log.Warn("provider API poll failed", "loop", l.String(), "service", id, "err", err,
-			"failures", failures, "retry_in", wait.Round(time.Millisecond))
-		if _, named, capped := p.rateLimitWait(err); capped {
-			p.log.Warn("the provider's next allowed time is beyond the longest wait; polling again before it",
-				"loop", l.String(), "service", id, "next_allowed", named.UTC(), "longest_wait", maxRateLimitWait)
-		}
-	case before > 0:
-		p.log.Info("provider API poll recovered", "loop", l.String(), "service", id, "after_failures", before)
+		p.log.Warn("provider API poll failed", slices.Concat(attrs,
+			[]any{"err", err, "failures", failures, "retry_in", wait.Round(time.Millisecond)})...)
+		p.logRateLimitCapped(err, "polling", attrs...)
+	case failures > 0:
+		p.log.Info("provider API poll recovered", slices.Concat(attrs, []any{"after_failures", failures})...)
+	}
+}
+
+// logRateLimitCapped logs that the 429 in err named a time beyond
+// maxRateLimitWait, so that doing (a gerund) is tried again before it.
+func (p *Poller) logRateLimitCapped(err error, doing string, attrs ...any) {
+	if _, named, capped, _ := p.rateLimited(err); capped {
+		p.log.Warn("the provider's next allowed time is beyond the longest wait; "+doing+" again before it",
+			slices.Concat(attrs, []any{"next_allowed", named.UTC(), "longest_wait", maxRateLimitWait})...)
 	}
 }
 
@@ -565,34 +576,43 @@ func (p *Poller) jitter(d time.Duration) time.Duration {
 
 // nextWait is the time until a loop's next round: the interval with
 // jitter after a success; after failures the backoff, and never before the
-// next-allowed time a 429 named, as far as rateLimitWait allows.
+// time a 429 named, as far as rateLimited allows.
 func (p *Poller) nextWait(interval time.Duration, failures int, err error) time.Duration {
 	if err == nil {
 		return p.jitter(interval)
 	}
 	wait := p.backoff(interval, failures)
-	if d, _, _ := p.rateLimitWait(err); d > wait {
-		wait = d
+	if until, _, _, ok := p.rateLimited(err); ok {
+		wait = max(wait, until.Sub(p.now()))
 	}
 	return wait
 }
 
-// rateLimitWait is how long the 429 in err asks to wait: until the time it
-// names, at most maxRateLimitWait (an hour, as for list updates). A
-// Retry-After may name up to 2^31 s, and a loop parked for that long would
-// never poll again; after the hour it asks again, and a 429 that names
-// the time again is honoured again. capped reports that the named time was
-// further away, at named.
-func (p *Poller) rateLimitWait(err error) (wait time.Duration, named time.Time, capped bool) {
+// rateLimited reports whether err is a 429 (ok), and until when it asks
+// to wait: the time it names (named, zero if none), at least
+// minRateLimitWait and at most maxRateLimitWait from now. A Retry-After
+// may name up to 2^31 s, and a loop or list update parked that long would
+// never try again; after the hour it asks again, and a 429 that names the
+// time again is honoured again. capped reports that named was further
+// away than the hour. The one rule for the poll loops and list updates.
+func (p *Poller) rateLimited(err error) (until, named time.Time, capped, ok bool) {
 	var apiErr *APIError
-	if !errors.As(err, &apiErr) || apiErr.NextAllowed.IsZero() {
-		return 0, time.Time{}, false
+	isAPI := errors.As(err, &apiErr)
+	if !errors.Is(err, ErrTooManyAttempts) && !(isAPI && apiErr.Status == 429) {
+		return time.Time{}, time.Time{}, false, false
 	}
-	named = apiErr.NextAllowed
-	if d := named.Sub(p.now()); d <= maxRateLimitWait {
-		return d, named, false
+	now := p.now()
+	until = now.Add(minRateLimitWait)
+	if isAPI {
+		named = apiErr.NextAllowed
 	}
-	return maxRateLimitWait, named, true
+	if named.After(until) {
+		until = named
+	}
+	if limit := now.Add(maxRateLimitWait); until.After(limit) {
+		until, capped = limit, true
+	}
+	return until, named, capped, true
 }
 
 // backoff after n consecutive failures: starting at the smaller of the
