@@ -82,6 +82,23 @@ func BenchmarkPick(b *testing.B) {
 	}
 }
 
+// BenchmarkPickPastEjected is BenchmarkPick with the first half of the
+// upstreams ejected (the most the default cap allows): a pick whose turn
+// falls in that half passes over ejected upstreams.
+func BenchmarkPickPastEjected(b *testing.B) {
+	for _, strategy := range []string{RoundRobin, Random, LeastConn, Latency} {
+		for _, n := range benchSizes[:2] {
+			b.Run(strategy+"/"+strconv.Itoa(n), func(b *testing.B) {
+				p, set := benchPool(b, strategy, n)
+				for i := range n / 2 {
+					fail(p, handle(p, set[i]), 3)
+				}
+				benchPicks(b, p, false)
+			})
+		}
+	}
+}
+
 // BenchmarkPickReport is the whole cycle a connection makes: Pick, Report
 // of a success with its time, Release.
 func BenchmarkPickReport(b *testing.B) {

@@ -2,6 +2,7 @@ package pool
 
 import (
 	"context"
+	"math/bits"
 	"sync/atomic"
 	"time"
 )
@@ -50,22 +51,75 @@ func take(h *host) bool {
 
 // The strategies are pure functions over a slice's members: they return the
 // index of the chosen eligible member or -1 (latencyBand: the members to
-// choose among), and claim nothing. start spreads ties and scans.
+// choose among), and claim nothing. start spreads ties and scans. Only
+// pickTurn, round robin's turns, also moves the slice's cursor.
 
-// pickFirst scans from start and returns the first eligible member: round
-// robin with start the slice's counter, random with a random start.
-func pickFirst(hs []*host, start uint64, f *filter) int {
+// pickFirst scans from start and returns the first eligible member, and how
+// many members it passed over before it.
+func pickFirst(hs []*host, start uint64, f *filter) (i int, passed uint64) {
+	n := uint64(len(hs))
+	if n == 0 {
+		return -1, 0
+	}
+	j := start % n
+	for k := range n {
+		if f.eligible(hs[j]) {
+			return int(j), k
+		}
+		if j++; j == n {
+			j = 0
+		}
+	}
+	return -1, n
+}
+
+// pickTurn is round robin over the eligible members of hs: the member whose
+// turn the cursor rr gives, or else the first eligible one after it. The
+// cursor then moves past the chosen member, so that the members it passed
+// over used up their turns: after a run of ineligible members the next
+// eligible one gets its own turn, not the whole run's (a member after k
+// ejected ones would take k+1 turns a round), and every eligible member
+// gets one turn a round. Picks at the same instant that start in the same
+// run may still meet on one member. One atomic add when the turn's member
+// is eligible, a compare-and-swap more when it is not.
+func pickTurn(hs []*host, rr *atomic.Uint64, f *filter) int {
+	start := rr.Add(1) - 1
+	i, passed := pickFirst(hs, start, f)
+	if i >= 0 && passed > 0 {
+		passTurns(rr, start, passed)
+	}
+	return i
+}
+
+// passTurns moves the cursor rr past the member chosen by the pick that had
+// turn start and passed over passed members before it, if the cursor is
+// still where that pick left it (start+1). If not, other picks took turns
+// meanwhile: either one of them had the chosen member's turn or a later
+// one, and the cursor is past it already, or they started in the same run
+// of ineligible members, and the last of them moves it. A single
+// compare-and-swap, no loop: the cursor is the one line every pick writes.
+// Its values only grow (2^64 picks are centuries).
+func passTurns(rr *atomic.Uint64, start, passed uint64) {
+	rr.CompareAndSwap(start+1, start+passed+1)
+}
+
+// randomDraws is how many members pickRandom draws before it gives up.
+const randomDraws = 4
+
+// pickRandom draws members at random until one is eligible, so that every
+// eligible member is as likely; -1 after randomDraws misses (most members
+// are out), and the caller takes turns (pickTurn) instead, which spreads
+// as evenly. A scan from a random start would give the member after a run
+// of ineligible ones the whole run's chances.
+func pickRandom(hs []*host, rand func() uint64, f *filter) int {
 	n := uint64(len(hs))
 	if n == 0 {
 		return -1
 	}
-	i := start % n
-	for range n {
-		if f.eligible(hs[i]) {
+	for range randomDraws {
+		// rand × n / 2^64: uniform in [0, n) without a division.
+		if i, _ := bits.Mul64(rand(), n); f.eligible(hs[i]) {
 			return int(i)
-		}
-		if i++; i == n {
-			i = 0
 		}
 	}
 	return -1
@@ -73,26 +127,29 @@ func pickFirst(hs []*host, start uint64, f *filter) int {
 
 // pickLeastConn returns an eligible member with the fewest connections in
 // flight; among equals the first from start. An idle member ends the scan.
-func pickLeastConn(hs []*host, start uint64, f *filter) int {
+// passed is how far from start the chosen member is: the caller moves its
+// cursor on past it (as pickTurn does), or the idle member after a run of
+// ineligible ones would take the run's ties too.
+func pickLeastConn(hs []*host, start uint64, f *filter) (i int, passed uint64) {
 	n := uint64(len(hs))
 	best, bestN := -1, int64(0)
 	if n == 0 {
-		return -1
+		return -1, 0
 	}
-	i := start % n
-	for range n {
-		h := hs[i]
+	j := start % n
+	for k := range n {
+		h := hs[j]
 		if c := h.inFlight.Load(); (best < 0 || c < bestN) && f.eligible(h) {
-			best, bestN = int(i), c
+			best, bestN, passed = int(j), c, k
 			if c <= 0 {
 				break
 			}
 		}
-		if i++; i == n {
-			i = 0
+		if j++; j == n {
+			j = 0
 		}
 	}
-	return best
+	return best, passed
 }
 
 // latencyBand returns the eligible members whose moving average of dial +
@@ -164,12 +221,18 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 		var i int
 		switch cfg.Strategy {
 		case Random:
-			i = pickFirst(hs, p.rand(), f)
+			if i = pickRandom(hs, p.rand, f); i < 0 {
+				i = pickTurn(hs, &sl.rr, f)
+			}
 		case LeastConn:
-			i = pickLeastConn(hs, sl.rr.Add(1), f)
+			start := sl.rr.Add(1) - 1
+			var passed uint64
+			if i, passed = pickLeastConn(hs, start, f); i >= 0 && passed > 0 {
+				passTurns(&sl.rr, start, passed)
+			}
 		case Latency:
 			hs = p.band(sl, f.quota, false).hosts
-			if i = pickFirst(hs, sl.rr.Add(1), f); i < 0 {
+			if i = pickTurn(hs, &sl.rr, f); i < 0 {
 				// Nothing of the band can serve this pick: its members
 				// went out since it was made, or this connection tried
 				// them already; then the best of the rest for it alone.
@@ -178,10 +241,10 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 				} else {
 					hs = latencyBand(sl.members, f, cfg.LatencyTolerance)
 				}
-				i = pickFirst(hs, sl.rr.Load(), f)
+				i = pickTurn(hs, &sl.rr, f)
 			}
 		default:
-			i = pickFirst(hs, sl.rr.Add(1)-1, f)
+			i = pickTurn(hs, &sl.rr, f)
 		}
 		if i < 0 {
 			return nil

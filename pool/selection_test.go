@@ -3,7 +3,10 @@ package pool
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -92,12 +95,12 @@ func TestStrategies(t *testing.T) {
 			var got int
 			switch tt.strategy {
 			case RoundRobin:
-				got = pickFirst(hs, tt.start, &f)
+				got, _ = pickFirst(hs, tt.start, &f)
 			case LeastConn:
-				got = pickLeastConn(hs, tt.start, &f)
+				got, _ = pickLeastConn(hs, tt.start, &f)
 			case Latency:
 				band := latencyBand(hs, &f, 0.2)
-				got = pickFirst(band, tt.start, &f)
+				got, _ = pickFirst(band, tt.start, &f)
 				if got >= 0 {
 					got = slices.Index(hs, band[got])
 				}
@@ -140,8 +143,7 @@ func TestPoolStrategies(t *testing.T) {
 			if u.ID() == set[3].ID() {
 				continue
 			}
-			// Expected 1000 each; a linear scan after an ejected one may
-			// give its successor up to twice that.
+			// Expected 1000 each, the ejected one's share spread over all.
 			if c := counts[u.ID()]; c < 500 || c > 2600 {
 				t.Errorf("%s picked %d of %d times", u.ID(), c, picks)
 			}
@@ -191,6 +193,69 @@ func TestPoolStrategies(t *testing.T) {
 			t.Errorf("picks %v: want the two within the band, evenly", counts)
 		}
 	})
+}
+
+// A pick that passes over ineligible members uses up their turns: the
+// cursor moves on past the member it chose.
+func TestPickTurnPassesSkippedTurns(t *testing.T) {
+	now := newClock().Now().UnixNano()
+	out := hostSpec{ejected: true}
+	hs := makeHosts([]hostSpec{out, out, {}, {}, out, {}}, now)
+	f := filter{clock: func() int64 { return now }}
+	var rr atomic.Uint64
+	var got []int
+	for range 7 {
+		got = append(got, pickTurn(hs, &rr, &f))
+	}
+	if want := []int{2, 3, 5, 2, 3, 5, 2}; !slices.Equal(got, want) || rr.Load() != 15 {
+		t.Errorf("picks %v, cursor %d; want %v, 15", got, rr.Load(), want)
+	}
+	none := makeHosts([]hostSpec{out, out}, now)
+	rr.Store(0)
+	if i := pickTurn(none, &rr, &f); i != -1 || rr.Load() != 1 {
+		t.Errorf("nothing eligible: %d, cursor %d", i, rr.Load())
+	}
+}
+
+// Turns go evenly to the eligible members, whatever is out of rotation
+// around them: the member after a run of ejected ones gets its own share,
+// not the run's too.
+func TestPicksSpreadEvenlyPastIneligibleMembers(t *testing.T) {
+	for _, strategy := range []string{RoundRobin, Random, LeastConn, Latency} {
+		for _, tt := range []struct{ n, out int }{{10, 5}, {100, 95}} {
+			t.Run(fmt.Sprintf("%s/%d of %d out", strategy, tt.out, tt.n), func(t *testing.T) {
+				clk := newClock()
+				var mu sync.Mutex
+				rng := rand.New(rand.NewPCG(1, 2))
+				p := newTestPool(t, conf(func(c *Config) { c.Strategy = strategy; c.MaxEjectedPercent = 100 }), Options{
+					Now: clk.Now,
+					Rand: func() uint64 {
+						mu.Lock()
+						defer mu.Unlock()
+						return rng.Uint64()
+					},
+				})
+				set := ups(1, tt.n)
+				p.Update(set)
+				pickReport(t, p, Request{}, Success) // latency: a band of all of them
+				for i := range tt.out {
+					fail(p, handle(p, set[i]), 3)
+				}
+				const picks = 1000
+				counts := map[string]int{}
+				for range picks {
+					counts[pickReport(t, p, Request{}, Success).ID()]++
+				}
+				in := tt.n - tt.out
+				for _, u := range set[tt.out:] {
+					// 200 each; a binomial spread of 4 standard deviations for random.
+					if c := counts[u.ID()]; c < picks/in*3/4 || c > picks/in*5/4 {
+						t.Errorf("%s took %d of %d picks among %d eligible upstreams", u.ID(), c, picks, in)
+					}
+				}
+			})
+		}
+	}
 }
 
 func TestEWMA(t *testing.T) {
