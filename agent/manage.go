@@ -160,7 +160,7 @@ func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id
 		p.log.Info("new IP list requested", "service", id)
 		if _, _, lerr := p.pollServiceLists(ctx, LoopStatus, id); lerr != nil {
 			p.log.Warn("polling the new IP list failed; the lists loop retries", "service", id, "err", lerr)
-			p.Kick(LoopLists)
+			p.kick(LoopLists, unit{service: id})
 		}
 		p.changed()
 		p.event(Event{Kind: EventListUpdated, Service: id, Result: ResultOK, Reason: "the provider replaced the IP list"})

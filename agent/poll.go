@@ -153,9 +153,9 @@ type Snapshot struct {
 
 // Poller runs the agent's poll loops against a Client and hands a Snapshot
 // to OnChange after every change. Each loop has a PollOnce for tests. A
-// failed round backs off (PollConfig.MaxBackoff); in the status and usage
-// loops, which poll each service on its own, a failing service backs off
-// alone and the others keep their interval.
+// failed poll backs off (PollConfig.MaxBackoff): in the lists, status and
+// usage loops, which poll each service on its own clock, a failing
+// service backs off alone and the others keep their interval.
 type Poller struct {
 	onChange func(Snapshot)
 	log      *slog.Logger
@@ -172,9 +172,8 @@ type Poller struct {
 	lastGood map[string]int    // list key → size of the last list swapped in
 	formats  map[string]string // list type → the format that last parsed
 	manage   map[int]*manageState
-	// clocks are the per-service schedules of the loops that poll each
-	// service on its own clock (LoopStatus, LoopUsage); nil for the others.
-	clocks [numLoops]map[int]*serviceClock
+	// clocks are the schedules of each loop's units (see Poller.loop).
+	clocks [numLoops]map[unit]*clock
 
 	kicks [numLoops]chan struct{}
 	// kickAfterAccount makes the end of the next account round kick the
@@ -208,10 +207,8 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 	p := &Poller{client: c, cfg: cloneConfig(cfg), onChange: onChange, log: logger, now: time.Now,
 		services: map[int]*ServiceState{}, pending: map[string]int{}, lastGood: map[string]int{},
 		formats: map[string]string{}, manage: map[int]*manageState{}}
-	for _, l := range []Loop{LoopStatus, LoopUsage} {
-		p.clocks[l] = map[int]*serviceClock{}
-	}
 	for i := range p.beats {
+		p.clocks[i] = map[unit]*clock{}
 		p.beats[i].Store(p.now().UnixNano())
 		p.kicks[i] = make(chan struct{}, 1)
 	}
@@ -314,65 +311,16 @@ func (p *Poller) interval(l Loop) time.Duration {
 	return [numLoops]time.Duration{cfg.Account, cfg.IPList, cfg.NetworkStatus, cfg.Usage}[l]
 }
 
+// loop runs loop l until ctx ends. Each unit the loop polls (the
+// account, or one service) keeps its own clock: a unit whose poll fails
+// backs off alone (nextWait after its own failures, a 429's time
+// included), while the others keep the loop's interval. Each round polls
+// the units that are due, and the loop sleeps until the next one is.
+// afterRound runs after each round.
 func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
-	if p.clocks[l] != nil {
-		p.serviceLoop(ctx, l)
-		return
-	}
-	failures := 0
-	confirming := 0 // rounds in a row brought forward to confirm a list
 	for {
-		err := p.PollOnce(ctx, l)
+		p.round(ctx, l, true) // errors are logged per unit (done)
 		afterRound()
-		if ctx.Err() != nil {
-			return
-		}
-		if err != nil {
-			failures++
-		}
-		wait := p.nextWait(p.interval(l), failures, err)
-		switch {
-		case !p.awaiting[l].Load():
-			confirming = 0
-		case err == nil && confirming < maxConfirmRounds:
-			confirming++
-			wait = min(wait, p.jitter(confirmWait(p.interval(l))))
-		}
-		p.logPoll(l, err, failures, wait)
-		if err == nil {
-			failures = 0
-		}
-		t := time.NewTimer(wait)
-		woke := p.wait(ctx, l, p.kicks[l], t.C)
-		t.Stop()
-		if !woke {
-			return
-		}
-	}
-}
-
-// serviceClock is when a loop that polls each service on its own clock
-// next polls one service, and how many polls of it failed in a row.
-type serviceClock struct {
-	next     time.Time
-	failures int
-}
-
-// nextRound is when the services that answer in a round of loop l
-// beginning now are next due: the interval with jitter, once for the
-// round.
-func (p *Poller) nextRound(l Loop) time.Time {
-	return p.now().Add(p.jitter(p.interval(l)))
-}
-
-// serviceLoop runs loop l (status or usage), in which each service keeps
-// its own clock: a service whose poll fails backs off alone (nextWait
-// after its own failures, a 429's time included), while the others keep
-// the loop's interval. Each round polls the services that are due and
-// the loop sleeps until the next one is.
-func (p *Poller) serviceLoop(ctx context.Context, l Loop) {
-	for {
-		p.round(ctx, l, true) // errors are logged per service (serviceDone)
 		if ctx.Err() != nil {
 			return
 		}
@@ -385,35 +333,80 @@ func (p *Poller) serviceLoop(ctx context.Context, l Loop) {
 	}
 }
 
-// pollable returns the services loop l polls (for LoopUsage the ppr
-// ones); with onlyDue, those whose clock is due.
-func (p *Poller) pollable(l Loop, onlyDue bool) []int {
+// unit is what one clock of a loop schedules: in the account loop the
+// account (service 0), in the others one served service.
+type unit struct {
+	service int
+}
+
+// clock is when a loop next polls one unit, and how many polls of it
+// failed in a row.
+type clock struct {
+	next     time.Time
+	failures int
+	// confirming counts the polls in a row brought forward to confirm a
+	// list (at most maxConfirmRounds).
+	confirming int
+}
+
+// roundStart is what the clocks of the units a round polls are set from.
+type roundStart struct {
+	loop Loop
+	gen  uint64    // the generation the round began in
+	at   time.Time // when it began
+	next time.Time // when the units that answer are next due
+}
+
+// startRound begins a round of loop l: the units that answer in it are
+// next due after the interval with jitter, once for the round, so that
+// they stay in one round.
+func (p *Poller) startRound(l Loop) roundStart {
+	_, _, gen := p.current()
 	now := p.now()
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var ids []int
+	return roundStart{loop: l, gen: gen, at: now, next: now.Add(p.jitter(p.interval(l)))}
+}
+
+// units returns the units loop l polls: the account, every served
+// service, or (LoopUsage) the ppr ones. Called with p.mu held.
+func (p *Poller) units(l Loop) []unit {
+	if l == LoopAccount {
+		return []unit{{}}
+	}
+	var us []unit
 	for _, id := range slices.Sorted(maps.Keys(p.services)) {
 		if l == LoopUsage && p.services[id].Record.ProductType != "ppr" {
 			continue
 		}
-		if c := p.clocks[l][id]; onlyDue && c != nil && now.Before(c.next) {
-			continue
-		}
-		ids = append(ids, id)
+		us = append(us, unit{service: id})
 	}
-	return ids
+	return us
 }
 
-// untilDue is the time until the next service of loop l is due, at most
-// the loop's interval.
+// pollable returns the units loop l polls; with onlyDue, those whose
+// clock is due.
+func (p *Poller) pollable(l Loop, onlyDue bool) []unit {
+	now := p.now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var due []unit
+	for _, u := range p.units(l) {
+		if c := p.clocks[l][u]; onlyDue && c != nil && now.Before(c.next) {
+			continue
+		}
+		due = append(due, u)
+	}
+	return due
+}
+
+// untilDue is the time until the next unit of loop l is due, at most the
+// loop's interval.
 func (p *Poller) untilDue(l Loop) time.Duration {
-	ids := p.pollable(l, false)
 	wait := p.jitter(p.interval(l))
 	now := p.now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, id := range ids {
-		c := p.clocks[l][id]
+	for _, u := range p.units(l) {
+		c := p.clocks[l][u]
 		if c == nil {
 			return 0
 		}
@@ -422,32 +415,48 @@ func (p *Poller) untilDue(l Loop) time.Duration {
 	return max(wait, 0)
 }
 
-// serviceDone sets the clock of service id in loop l after a poll of it:
-// the round's next time after a success (so that the services that answer
-// stay in one round), its own backoff after a failure, which is logged
-// (and a recovery). Nothing is recorded once ctx has ended.
-func (p *Poller) serviceDone(ctx context.Context, l Loop, roundNext time.Time, id int, err error) {
+// done sets the clock of unit u after a poll of it in round r: the
+// round's next time after a success, after confirmWait when confirm asks
+// for a list awaiting confirmation to be polled again soon (at most
+// maxConfirmRounds times in a row), its own backoff after a failure,
+// which is logged (and a recovery). Nothing is recorded once ctx has
+// ended.
+func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, confirm bool) {
 	if ctx.Err() != nil {
 		return
 	}
+	l := r.loop
 	p.mu.Lock()
-	c := p.clocks[l][id]
+	c := p.clocks[l][u]
 	if c == nil {
-		c = &serviceClock{}
-		p.clocks[l][id] = c
+		c = &clock{}
+		p.clocks[l][u] = c
 	}
 	before := c.failures
-	if err != nil {
+	early := false
+	switch {
+	case err != nil:
 		c.failures++
-	} else {
+	case !confirm:
+		c.failures, c.confirming = 0, 0
+	case c.confirming < maxConfirmRounds:
+		c.failures = 0
+		c.confirming++
+		early = true
+	default:
 		c.failures = 0
 	}
 	failures := c.failures
 	p.mu.Unlock()
-	next, wait := roundNext, time.Duration(0)
-	if err != nil {
+	next, wait := r.next, time.Duration(0)
+	switch {
+	case err != nil:
 		wait = p.nextWait(p.interval(l), failures, err)
 		next = p.now().Add(wait)
+	case early:
+		if soon := p.now().Add(p.jitter(confirmWait(p.interval(l)))); soon.Before(next) {
+			next = soon
+		}
 	}
 	p.mu.Lock()
 	c.next = next
@@ -455,7 +464,11 @@ func (p *Poller) serviceDone(ctx context.Context, l Loop, roundNext time.Time, i
 	if err == nil {
 		failures = before // a recovery is logged with the failures it ends
 	}
-	p.logPoll(l, err, failures, wait, "service", id)
+	var what []any
+	if l != LoopAccount {
+		what = []any{"service", u.service}
+	}
+	p.logPoll(l, err, failures, wait, what...)
 }
 
 // logPoll logs the outcome of one poll in loop l: a failure with the
@@ -505,17 +518,24 @@ func (p *Poller) wait(ctx context.Context, l Loop, wake <-chan struct{}, timer <
 	}
 }
 
-// Kick makes loop l poll now instead of at the end of its wait; a loop
-// that polls each service on its own clock polls every service, those
-// backing off included (their failure counts stay).
+// Kick makes loop l poll every unit now instead of at the end of its
+// wait, those backing off included (their failure counts stay).
 func (p *Poller) Kick(l Loop) {
-	if l >= 0 && l < numLoops && p.clocks[l] != nil {
-		p.mu.Lock()
-		for _, c := range p.clocks[l] {
+	if l < 0 || l >= numLoops {
+		return
+	}
+	p.kick(l)
+}
+
+// kick makes loop l poll units now, every unit when none is named.
+func (p *Poller) kick(l Loop, units ...unit) {
+	p.mu.Lock()
+	for u, c := range p.clocks[l] {
+		if len(units) == 0 || slices.Contains(units, u) {
 			c.next = time.Time{}
 		}
-		p.mu.Unlock()
 	}
+	p.mu.Unlock()
 	select {
 	case p.kicks[l] <- struct{}{}:
 	default:
@@ -628,8 +648,8 @@ func (p *Poller) backoff(interval time.Duration, n int) time.Duration {
 	return max(p.jitter(d), time.Second)
 }
 
-// PollOnce runs one round of loop l over every service, also those that
-// back off in the loop (their clocks are set as in the loop).
+// PollOnce runs one round of loop l over every unit, also those that back
+// off in the loop (their clocks are set as in the loop).
 func (p *Poller) PollOnce(ctx context.Context, l Loop) error {
 	if l < 0 || l >= numLoops {
 		return fmt.Errorf("unknown loop %d", l)
@@ -637,28 +657,27 @@ func (p *Poller) PollOnce(ctx context.Context, l Loop) error {
 	return p.round(ctx, l, false)
 }
 
-// round runs one round of loop l; for the loops with per-service clocks,
-// onlyDue limits it to the services that are due.
+// round runs one round of loop l; onlyDue limits it to the units that
+// are due.
 func (p *Poller) round(ctx context.Context, l Loop, onlyDue bool) error {
 	defer p.beat(l)
 	defer p.rounds[l].Add(1)
+	r, units := p.startRound(l), p.pollable(l, onlyDue)
 	switch l {
 	case LoopAccount:
-		return p.pollAccount(ctx)
+		if len(units) == 0 {
+			return nil
+		}
+		err := p.pollAccount(ctx)
+		p.done(ctx, r, unit{}, err, p.awaiting[LoopAccount].Load())
+		return err
 	case LoopLists:
-		return p.pollLists(ctx)
+		return p.pollLists(ctx, r, units)
 	case LoopStatus:
-		return p.pollStatus(ctx, p.pollable(l, onlyDue))
+		return p.pollStatus(ctx, r, units)
 	default:
-		return p.pollUsage(ctx, p.pollable(l, onlyDue))
+		return p.pollUsage(ctx, r, units)
 	}
-}
-
-// served returns the IDs of the services the other loops work on.
-func (p *Poller) served() []int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return slices.Sorted(maps.Keys(p.services))
 }
 
 func servable(status string) bool { return status == "Active" }
@@ -764,8 +783,8 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 		if slices.Contains(dropped, id) || !slices.Contains(want, id) {
 			delete(p.services, id)
 			delete(p.manage, id)
-			for _, clocks := range p.clocks {
-				delete(clocks, id)
+			for _, clocks := range p.clocks[LoopAccount+1:] {
+				delete(clocks, unit{service: id})
 			}
 			if !slices.Contains(dropped, id) {
 				dropped = append(dropped, id)
@@ -821,13 +840,16 @@ func listTypes(kind string, protocols []string) []string {
 	return types
 }
 
-func (p *Poller) pollLists(ctx context.Context) error {
+// pollLists polls the lists of the services units; each one's clock is
+// set by its own outcome.
+func (p *Poller) pollLists(ctx context.Context, r roundStart, units []unit) error {
 	var firstErr error
 	fetched := 0
 	awaiting := false
-	_, _, gen := p.current()
-	for _, id := range p.served() {
-		ok, held, err := p.pollServiceLists(ctx, LoopLists, id)
+	gen := r.gen
+	for _, u := range units {
+		ok, held, err := p.pollServiceLists(ctx, LoopLists, u.service)
+		p.done(ctx, r, u, err, held)
 		if err != nil && firstErr == nil {
 			firstErr = err
 		}
@@ -1017,11 +1039,11 @@ func (p *Poller) confirm(key string, n int) bool {
 
 // pollStatus reads the network status of services ids; each one's clock
 // is set by its own outcome.
-func (p *Poller) pollStatus(ctx context.Context, ids []int) error {
+func (p *Poller) pollStatus(ctx context.Context, r roundStart, units []unit) error {
 	client, _, gen := p.current()
-	roundNext := p.nextRound(LoopStatus)
 	var firstErr error
-	for _, id := range ids {
+	for _, u := range units {
+		id := u.service
 		// Each list is applied when its own fetch succeeded; the other
 		// keeps its last good value.
 		var err error
@@ -1035,7 +1057,7 @@ func (p *Poller) pollStatus(ctx context.Context, ids []int) error {
 		if ierr != nil && err == nil {
 			err = fmt.Errorf("polling inactive servers of service %d: %w", id, ierr)
 		}
-		p.serviceDone(ctx, LoopStatus, roundNext, id, err)
+		p.done(ctx, r, u, err, false)
 		if firstErr == nil {
 			firstErr = err
 		}
@@ -1053,7 +1075,7 @@ func (p *Poller) pollStatus(ctx context.Context, ids []int) error {
 		}
 		p.mu.Unlock()
 	}
-	if len(ids) > 0 {
+	if len(units) > 0 {
 		p.changed()
 	}
 	p.manageLists(ctx)
@@ -1063,17 +1085,17 @@ func (p *Poller) pollStatus(ctx context.Context, ids []int) error {
 // pollUsage reads the rate and limit of ppr services ids; each one's
 // clock is set by its own outcome. The daily statistics endpoint is not
 // polled: nothing uses its answer.
-func (p *Poller) pollUsage(ctx context.Context, ids []int) error {
+func (p *Poller) pollUsage(ctx context.Context, r roundStart, units []unit) error {
 	client, _, gen := p.current()
-	roundNext := p.nextRound(LoopUsage)
 	var firstErr error
-	for _, id := range ids {
+	for _, u := range units {
+		id := u.service
 		rate, err := client.Rate(ctx, id)
 		p.beat(LoopUsage)
 		if err != nil {
 			err = fmt.Errorf("polling rate of service %d: %w", id, err)
 		}
-		p.serviceDone(ctx, LoopUsage, roundNext, id, err)
+		p.done(ctx, r, u, err, false)
 		if err != nil {
 			if firstErr == nil {
 				firstErr = err
@@ -1089,7 +1111,7 @@ func (p *Poller) pollUsage(ctx context.Context, ids []int) error {
 		}
 		p.mu.Unlock()
 	}
-	if len(ids) > 0 {
+	if len(units) > 0 {
 		p.changed()
 	}
 	return firstErr

@@ -673,7 +673,7 @@ func TestPollerUsageBackoffPerService(t *testing.T) {
 	}
 	before := requests(104)
 	p.Kick(LoopUsage)
-	if ids := p.pollable(LoopUsage, true); !slices.Equal(ids, []int{102, 104}) {
+	if ids := p.pollable(LoopUsage, true); !slices.Equal(ids, []unit{{service: 102}, {service: 104}}) {
 		t.Errorf("due after Kick: %v, want [102 104]", ids)
 	}
 	p.round(ctx, LoopUsage, true)
@@ -819,5 +819,58 @@ func TestPollerRunConfirmRoundsBounded(t *testing.T) {
 	}
 	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != 10 {
 		t.Errorf("%d entries: the unconfirmed small lists replaced the last good one of 10", n)
+	}
+}
+
+// The lists loop, too, backs off a failing service alone: service 102's
+// sticky list answers a 422 (a failure the API documents for endpoint
+// 17), and service 101's lists keep ip_list. An hour of the loop's
+// schedule, on a fake clock.
+func TestPollerListsBackoffPerService(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	var mu sync.Mutex
+	lists := map[int]int{} // IP list requests by service
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/api/sticky/list/102" {
+			w.WriteHeader(http.StatusUnprocessableEntity)
+			io.WriteString(w, `{"error":"sticky sessions unavailable"}`)
+			return
+		}
+		if strings.HasPrefix(r.URL.Path, "/api/iplist/") {
+			id, _ := strconv.Atoi(r.URL.Path[strings.LastIndex(r.URL.Path, "/")+1:])
+			mu.Lock()
+			lists[id]++
+			mu.Unlock()
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101, 102}
+		c.IPList, c.MaxBackoff, c.Jitter = 10*time.Minute, 10*time.Minute, 0
+		c.LookupHost = sim.LookupHost
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	p.now = clock.Now
+	if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	runSchedule(t, p, clock, LoopLists, time.Hour)
+	// 101 every 10m: 6 rounds of 2 lists. 102 at 0s, then after 5s, 10s,
+	// 20s, …, 320s and 600s (max_backoff) until 3035s: 12 rounds of 2.
+	mu.Lock()
+	defer mu.Unlock()
+	if lists[101] != 6*2 || lists[102] != 12*2 {
+		t.Errorf("IP list requests in 1h: 101 %d (want 12, every ip_list), 102 %d (want 24, its own backoff)", lists[101], lists[102])
+	}
+	if st := serviceByID(p.Snapshot(), 101); !st.ListsKnown {
+		t.Error("service 101's lists are not known")
 	}
 }
