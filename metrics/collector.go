@@ -57,8 +57,10 @@ func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 	account := m.account
 	services := slices.Collect(maps.Keys(*m.services.Load()))
 	listeners := make([]string, 0, len(m.listeners))
-	for name := range m.listeners {
-		listeners = append(listeners, name)
+	for name, l := range m.listeners {
+		if !l.retired {
+			listeners = append(listeners, name)
+		}
 	}
 	m.mu.Unlock()
 
@@ -90,8 +92,13 @@ func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 
 // collectPool emits every state for every service that is served or present
 // in the snapshot (zeros included, so a state that empties reads 0 rather
-// than vanishing), and the health of every known or explained listener; a
-// known listener the snapshot does not mention has nothing usable.
+// than vanishing), and the health of the listeners that exist now: those
+// the snapshot explains, the pool's listener slices, which main sets from
+// the configuration at each reload. A snapshot that explains none (a pool
+// without listener slices) leaves the current listeners with nothing
+// usable. A listener known here but not explained is not exported: a
+// reload removed or renamed it, and 0 usable would fire
+// ProxydNoUsableUpstream for a listener that is gone.
 func (c *scrapeCollector) collectPool(ch chan<- prometheus.Metric, e pool.Explanation, services []int, listeners []string) {
 	states := pool.States()
 	counts := make(map[int]map[pool.State]int)
@@ -127,11 +134,12 @@ func (c *scrapeCollector) collectPool(ch chan<- prometheus.Metric, e pool.Explan
 		ch <- prometheus.MustNewConstMetric(c.usable, prometheus.GaugeValue, float64(l.Usable), l.Name)
 		ch <- prometheus.MustNewConstMetric(c.panicking, prometheus.GaugeValue, boolValue(l.Panic), l.Name)
 	}
+	if len(explained) > 0 {
+		return
+	}
 	for _, name := range listeners {
-		if !explained[name] {
-			ch <- prometheus.MustNewConstMetric(c.usable, prometheus.GaugeValue, 0, name)
-			ch <- prometheus.MustNewConstMetric(c.panicking, prometheus.GaugeValue, 0, name)
-		}
+		ch <- prometheus.MustNewConstMetric(c.usable, prometheus.GaugeValue, 0, name)
+		ch <- prometheus.MustNewConstMetric(c.panicking, prometheus.GaugeValue, 0, name)
 	}
 }
 

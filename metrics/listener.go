@@ -30,6 +30,7 @@ var dialProtocols = [...]pool.Protocol{pool.HTTP, pool.SOCKS5}
 // connCollector; that saves an add on every call.
 type listenerObserver struct {
 	name    string
+	retired bool // left out by SetListeners; under Metrics.mu
 	opened  atomic.Uint64
 	results [forward.NumOutcomes]atomic.Uint64
 	invalid atomic.Uint64 // closed with an outcome out of range: a caller bug, kept out of results
@@ -122,10 +123,20 @@ func (c *connCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *connCollector) Collect(ch chan<- prometheus.Metric) {
 	c.m.mu.Lock()
 	ls := make([]*listenerObserver, 0, len(c.m.listeners))
+	var retired []*listenerObserver
 	for _, l := range c.m.listeners {
 		ls = append(ls, l)
+		if l.retired {
+			retired = append(retired, l)
+		}
 	}
 	c.m.mu.Unlock()
+	var drained []*listenerObserver // retired, and exported here with nothing open
+	defer func() {
+		if drained != nil {
+			c.m.forgetDrained(drained)
+		}
+	}()
 
 	var (
 		counts [len(dialProtocols)][len(dialBounds) + 1]uint64
@@ -142,7 +153,11 @@ func (c *connCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		closed += l.invalid.Load()
 		opened := l.opened.Load()
-		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(opened-min(closed, opened)), l.name)
+		active := opened - min(closed, opened)
+		if active == 0 && slices.Contains(retired, l) {
+			drained = append(drained, l) // this is its last export
+		}
+		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(active), l.name)
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.up.Load()), l.name, "up")
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.down.Load()), l.name, "down")
 		ch <- prometheus.MustNewConstMetric(c.retries, prometheus.CounterValue, float64(l.retries.Load()), l.name)

@@ -53,7 +53,8 @@ type Options struct {
 	// Default "unknown".
 	Version string
 	// Listeners are the names of the configured listeners; their series
-	// exist at zero from the start. More can be added with AddListener.
+	// exist at zero from the start. More can be added with AddListener,
+	// and SetListeners replaces the set after a reload.
 	Listeners []string
 	// Services are the IDs of the served services; their series exist at
 	// zero from the start. SetServices replaces the set after a reload.
@@ -133,7 +134,7 @@ type Metrics struct {
 	services atomic.Pointer[map[int]*serviceCounters]
 
 	mu         sync.Mutex
-	listeners  map[string]*listenerObserver
+	listeners  map[string]*listenerObserver // current ones, and retired ones with connections open
 	account    Account
 	poolSource func() pool.Explanation
 }
@@ -268,8 +269,9 @@ func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.gatherer, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
 }
 
-// AddListener creates the series of a listener at zero. It is idempotent;
-// Listener calls it.
+// AddListener creates the series of a listener at zero, and makes it one of
+// the current listeners (again, if SetListeners left it out). It is
+// idempotent; Listener calls it.
 func (m *Metrics) AddListener(name string) {
 	m.listenerObserver(name)
 }
@@ -277,12 +279,50 @@ func (m *Metrics) AddListener(name string) {
 func (m *Metrics) listenerObserver(name string) *listenerObserver {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	return m.addListener(name)
+}
+
+// addListener is AddListener; the caller holds m.mu.
+func (m *Metrics) addListener(name string) *listenerObserver {
 	if l, ok := m.listeners[name]; ok {
+		l.retired = false
 		return l
 	}
 	l := &listenerObserver{name: name}
 	m.listeners[name] = l
 	return l
+}
+
+// SetListeners makes names the current listeners, after a reload: new ones
+// get their series at zero (as with AddListener), and the others are
+// retired. A retired listener's connection series stay while connections
+// it accepted are open (a reload lets them finish), are exported once more
+// after the last one closed, and are then forgotten, so that a removed or
+// renamed listener leaves no series behind and the set does not grow with
+// every rename. main calls it where it sets the pool's listener slices.
+func (m *Metrics) SetListeners(names []string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, l := range m.listeners {
+		l.retired = true
+	}
+	for _, name := range names {
+		m.addListener(name)
+	}
+}
+
+// forgetDrained forgets the listeners of ls, retired ones that a scrape
+// found with no connection open and exported for the last time, unless
+// they were made current again meanwhile. A retired listener accepts no
+// more connections, so its series cannot change after that.
+func (m *Metrics) forgetDrained(ls []*listenerObserver) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, l := range ls {
+		if l.retired && m.listeners[l.name] == l {
+			delete(m.listeners, l.name)
+		}
+	}
 }
 
 // Listener returns the observer of one listener's connections, with every
@@ -440,7 +480,9 @@ func (m *Metrics) SetStateTime(t time.Time) {
 // SetPoolSource sets the function that the scrape-time collector calls for
 // proxyd_upstreams, proxyd_listener_usable_upstreams and
 // proxyd_listener_panic. Until it is set those metrics are not exposed:
-// unknown is not zero.
+// unknown is not zero. Listener health is exported for the listeners the
+// explanation names (the pool's listener slices, which exist now); one that
+// names none leaves the current listeners (see SetListeners) at 0 usable.
 func (m *Metrics) SetPoolSource(f func() pool.Explanation) {
 	m.mu.Lock()
 	m.poolSource = f

@@ -427,6 +427,83 @@ proxyd_service_info{kind="fpr",product="A",service="101",status="Suspended"} 1
 	}
 }
 
+// Listener health is exported for the listeners that exist now: those the
+// pool explains. A listener a reload removed or renamed would otherwise
+// read "0 usable upstreams" forever, and ProxydNoUsableUpstream fire for it.
+func TestListenerHealthOnlyForCurrentListeners(t *testing.T) {
+	reg, m := newTestMetrics(t) // listeners http, socks
+	m.AddListener("socks5")     // a reload renamed socks to socks5
+	m.SetPoolSource(func() pool.Explanation {
+		return pool.Explanation{Listeners: []pool.ListenerExplanation{
+			{Name: "http", Usable: 3, Total: 3}, {Name: "socks5", Usable: 2, Total: 3, Panic: true},
+		}}
+	})
+	want := `
+# HELP proxyd_listener_panic 1 while a listener is in panic mode: more of its upstreams fail than may be ejected at once.
+# TYPE proxyd_listener_panic gauge
+proxyd_listener_panic{listener="http"} 0
+proxyd_listener_panic{listener="socks5"} 1
+# HELP proxyd_listener_usable_upstreams Upstreams a listener can pick now.
+# TYPE proxyd_listener_usable_upstreams gauge
+proxyd_listener_usable_upstreams{listener="http"} 3
+proxyd_listener_usable_upstreams{listener="socks5"} 2
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "proxyd_listener_usable_upstreams", "proxyd_listener_panic"); err != nil {
+		t.Error(err)
+	}
+}
+
+// SetListeners makes a set of listeners current: the others' connection
+// series stay while connections they accepted are open, read once more
+// after the last one closed, and are gone after that; a pool that explains
+// no listener leaves the current ones at 0 usable.
+func TestSetListenersForgetsRemovedListeners(t *testing.T) {
+	reg, m := newTestMetrics(t) // listeners http, socks
+	m.SetPoolSource(func() pool.Explanation { return pool.Explanation{} })
+	socks := m.Listener("socks")
+	socks.Opened() // a tunnel that outlives the reload
+	m.SetListeners([]string{"http", "socks5"})
+	check := func(when, name, want string) {
+		t.Helper()
+		if err := testutil.GatherAndCompare(reg, strings.NewReader(want), name); err != nil {
+			t.Errorf("%s: %v", when, err)
+		}
+	}
+	const usable = `
+# HELP proxyd_listener_usable_upstreams Upstreams a listener can pick now.
+# TYPE proxyd_listener_usable_upstreams gauge
+proxyd_listener_usable_upstreams{listener="http"} 0
+proxyd_listener_usable_upstreams{listener="socks5"} 0
+`
+	check("after the reload", "proxyd_listener_usable_upstreams", usable)
+	const active = `
+# HELP proxyd_connections_active Client connections open now, by listener.
+# TYPE proxyd_connections_active gauge
+proxyd_connections_active{listener="http"} 0
+`
+	check("after the reload", "proxyd_connections_active", active+`proxyd_connections_active{listener="socks"} 1
+proxyd_connections_active{listener="socks5"} 0
+`)
+	socks.Closed(forward.OutcomeOK, 10, 20, 0)
+	check("its last tunnel closed", "proxyd_connections_active", active+`proxyd_connections_active{listener="socks"} 0
+proxyd_connections_active{listener="socks5"} 0
+`)
+	check("then", "proxyd_connections_active", active+`proxyd_connections_active{listener="socks5"} 0
+`)
+	if got := countSeries(t, reg, "proxyd_connections_total"); got != 2*int(forward.NumOutcomes) {
+		t.Errorf("connection series of two listeners: %d, want %d", got, 2*int(forward.NumOutcomes))
+	}
+	check("then", "proxyd_listener_usable_upstreams", usable)
+	// Made current again, a listener starts over at zero.
+	m.AddListener("socks")
+	check("socks added again", "proxyd_connections_active", active+`proxyd_connections_active{listener="socks"} 0
+proxyd_connections_active{listener="socks5"} 0
+`)
+	if got := sumSeries(t, reg, "proxyd_bytes_total"); got != 0 {
+		t.Errorf("bytes after socks came back: %g, want 0", got)
+	}
+}
+
 // The invoice gauges appear once the account is known, hold what the last
 // account says, and read 0 (not nothing) once the invoices are paid.
 func TestUnpaidInvoices(t *testing.T) {
