@@ -33,7 +33,7 @@ type host struct {
 	flags    atomic.Uint32
 	reason   atomic.Uint32 // last failure Result
 	id       string
-	addrHost string                  // host part of Address, as the provider's status lists name it
+	addrHost string                  // host part of Address, as the status lists name it unless StatusIP says otherwise
 	sess     atomic.Pointer[session] // the ppr sticky session it stands for, if any; Update links it
 
 	inFlight     atomic.Int64

@@ -303,7 +303,8 @@ func (s *snapshot) slice(name string) *slice {
 func sameUpstream(a, b *Upstream) bool {
 	return a.Service == b.Service && a.Kind == b.Kind && a.Protocol == b.Protocol &&
 		a.Address == b.Address && a.Username == b.Username && a.Password == b.Password &&
-		a.Server == b.Server && a.Session == b.Session && a.ExitIP == b.ExitIP && a.Match == b.Match
+		a.Server == b.Server && a.Session == b.Session && a.ExitIP == b.ExitIP && a.Match == b.Match &&
+		a.StatusIP == b.StatusIP
 }
 
 // Update swaps in a new upstream set. Upstreams whose ID stays keep their
@@ -432,11 +433,15 @@ func (p *Pool) statusOf(service int) serviceStatus {
 // ppr session whose exit IP is errored, to be rotated.
 func (st *serviceStatus) apply(h *host) (rotate bool) {
 	u := h.cur.Load()
+	named := h.addrHost
+	if u.StatusIP != "" {
+		named = u.StatusIP
+	}
 	var f uint32
-	if st.errored[h.addrHost] {
+	if st.errored[named] {
 		f |= fProviderError
 	}
-	if st.inactive[h.addrHost] {
+	if st.inactive[named] {
 		f |= fProviderInactive
 	}
 	if u.Kind == PPR && u.Session != "" && u.ExitIP != "" && st.errored[u.ExitIP] {

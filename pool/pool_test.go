@@ -524,3 +524,35 @@ func TestMatch(t *testing.T) {
 		t.Errorf("JSON %s, %v", b, err)
 	}
 }
+
+// TestGatewayByNameLeavesOnItsIP: a gateway dialed by host name is named by
+// its IP in the provider's status lists (StatusIP); listed there, it leaves
+// the pool; a refresh that learns the IP only later applies the status
+// already known.
+func TestGatewayByNameLeavesOnItsIP(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now})
+	gw := Upstream{Service: 7, Kind: PPR, Protocol: HTTP, Address: "gw1.example.net:3000", StatusIP: "192.0.2.21"}
+	other := Upstream{Service: 7, Kind: PPR, Protocol: HTTP, Address: "gw2.example.net:3000", StatusIP: "192.0.2.22"}
+	p.Update([]Upstream{gw, other})
+	p.SetProviderStatus(7, []string{"192.0.2.21"}, nil)
+	if s := stateOf(t, p, gw.ID()); s.State != ProviderError {
+		t.Errorf("gateway whose IP is errored: state = %s", s.State)
+	}
+	if s := stateOf(t, p, other.ID()); s.State != Healthy {
+		t.Errorf("the other gateway: state = %s", s.State)
+	}
+	// The name did not resolve at first: nothing to match; once it does,
+	// the status in force applies.
+	other.StatusIP = ""
+	p.SetProviderStatus(7, []string{"192.0.2.22"}, nil)
+	p.Update([]Upstream{gw, other})
+	if s := stateOf(t, p, other.ID()); s.State != Healthy {
+		t.Errorf("gateway with no known IP: state = %s", s.State)
+	}
+	other.StatusIP = "192.0.2.22"
+	p.Update([]Upstream{gw, other})
+	if s := stateOf(t, p, other.ID()); s.State != ProviderError {
+		t.Errorf("gateway once its IP is known: state = %s", s.State)
+	}
+}

@@ -44,6 +44,11 @@ type Upstream struct {
 	// list), "single" (the list's only entry for the session's server);
 	// "" for upstreams that stand for no session. Not part of the ID.
 	Match string
+	// StatusIP is the IP address by which the provider's network-status
+	// lists name this upstream's proxy when Address names it by host name
+	// (a rotating gateway); "" when Address's host is what they name. Not
+	// part of the ID.
+	StatusIP string
 
 	h *host // owned by the pool; nil on upstreams that no pool handed out
 }

@@ -519,7 +519,7 @@ func (d *daemon) saveState() {
 		st.Upstreams = append(st.Upstreams, savedUpstream{
 			Service: u.Service, Kind: string(u.Kind), Protocol: string(u.Protocol), Address: u.Address,
 			Username: u.Username, Password: u.Password, Server: u.Server, Session: u.Session, ExitIP: u.ExitIP,
-			Match: u.Match,
+			Match: u.Match, StatusIP: u.StatusIP,
 		})
 	}
 	slices.SortFunc(st.Upstreams, func(a, b savedUpstream) int {

@@ -40,6 +40,7 @@ type savedUpstream struct {
 	Session  string `json:"session,omitempty"`
 	ExitIP   string `json:"exit_ip,omitempty"`
 	Match    string `json:"match,omitempty"`
+	StatusIP string `json:"status_ip,omitempty"`
 }
 
 type savedStatus struct {

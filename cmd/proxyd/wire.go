@@ -21,7 +21,7 @@ func poolUpstream(u agent.UpstreamSpec) pool.Upstream {
 	return pool.Upstream{
 		Service: u.Service, Kind: pool.Kind(u.Kind), Protocol: pool.Protocol(u.Protocol),
 		Address: u.Address, Username: u.Username, Password: u.Password,
-		Server: u.Server, Session: u.Session, ExitIP: u.ExitIP, Match: u.Match,
+		Server: u.Server, Session: u.Session, ExitIP: u.ExitIP, Match: u.Match, StatusIP: u.StatusIP,
 	}
 }
 
