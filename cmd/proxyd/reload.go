@@ -401,9 +401,7 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) err
 			retire = append(retire, rl)
 		}
 	}
-	for _, lc := range next.Listener {
-		d.metrics.AddListener(lc.Name)
-	}
+	d.metrics.SetListeners(listenerNames(next.Listener))
 	d.pool.SetListeners(listenerSlices(next.Listener))
 	for _, rl := range retire {
 		handed := slices.ContainsFunc(took, func(h handover) bool { return h.owner == rl })

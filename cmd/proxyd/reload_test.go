@@ -635,3 +635,30 @@ func TestReloadKeepsTheCap(t *testing.T) {
 		return code == 200
 	})
 }
+
+// TestReloadRenamedListenerMetrics: a listener renamed by a reload leaves no
+// series behind (a usable-upstreams 0 under the old name would fire the
+// no-usable-upstream alert for a listener that is gone).
+func TestReloadRenamedListenerMetrics(t *testing.T) {
+	e := startDaemon(t, newWorld(t), t.TempDir(), nil)
+	e.waitReady()
+	next := e.cfg
+	next.Listener = slices.Clone(next.Listener)
+	next.Listener[0].Name = "web"
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	_, body := e.admin("/metrics")
+	if !strings.Contains(body, `proxyd_listener_usable_upstreams{listener="web"}`) {
+		t.Errorf("no usable-upstreams series of the new name:\n%s", body)
+	}
+	if l := grepLines(body, `{listener="http"}`); strings.Contains(l, "usable_upstreams") || strings.Contains(l, "panic") {
+		t.Errorf("the renamed listener's pool series remain:\n%s", l)
+	}
+	// Its counters are exported once more, with their last values, then
+	// forgotten.
+	_, body = e.admin("/metrics")
+	if strings.Contains(body, `listener="http"`) {
+		t.Errorf("series of the renamed listener remain:\n%s", grepLines(body, `listener="http"`))
+	}
+}
