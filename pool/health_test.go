@@ -418,6 +418,37 @@ func TestFailedProbeCountsAsFailure(t *testing.T) {
 	}
 }
 
+// A probe cut short because Run is stopping says nothing about its
+// upstream: no failure is counted, the upstream stays as it was.
+func TestCutProbeCountsNothing(t *testing.T) {
+	clk := newClock()
+	var hooked []Result
+	ctx, cancel := context.WithCancel(context.Background())
+	prober := proberFunc(func(pctx context.Context, _ *Upstream) Result {
+		cancel() // Run stops while the probe waits
+		<-pctx.Done()
+		return HandshakeTimeout
+	})
+	p, err := New(conf(func(c *Config) { c.MaxEjectedPercent = 100; c.ProbeInterval = time.Hour }), Options{
+		Now: clk.Now, Rand: midRand, Prober: prober,
+		Hooks: Hooks{Failure: func(_ int, r Result) { hooked = append(hooked, r) }},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.stopRotations()
+	set := ups(1, 3)
+	p.Update(set)
+	u := handle(p, set[0])
+	fail(p, u, 3)
+	clk.Advance(30 * time.Second) // the ejection is over: a probe would be its trial
+	p.probeOnce(ctx)
+	s := stateOf(t, p, u.ID())
+	if s.Failures != 3 || len(hooked) != 3 || s.Ejections != 1 {
+		t.Errorf("after a probe cut by Run's end: %+v; Failure hook told %v", s, hooked)
+	}
+}
+
 // A probe that hangs holds up neither the hot path's clock nor the rest of
 // Run's work, and Run does not return before the probe it started did.
 func TestHangingProbeDoesNotStopRun(t *testing.T) {

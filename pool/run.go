@@ -125,6 +125,9 @@ func (p *Pool) probeOnce(ctx context.Context) {
 		r := p.opts.Prober.Probe(pctx, h.cur.Load())
 		cancel()
 		switch {
+		case ctx.Err() != nil: // Run is stopping: the probe was cut, not answered
+			h.trial.Store(false)
+			return
 		case r == Success:
 			p.readmit(h, p.now().UnixNano())
 		case r.UpstreamFault() && p.now().UnixNano() >= h.ejectedUntil.Load():

@@ -580,6 +580,28 @@ func TestTCPProber(t *testing.T) {
 	if r := p.Probe(ctx, &pool.Upstream{Protocol: pool.SOCKS5, Address: w.fprSOCKS[1].Addr()}); r != pool.DialRefused {
 		t.Errorf("dead upstream: %s", r)
 	}
+	// A silent SOCKS5 upstream: the probe ends when its context is
+	// cancelled (proxyd stopping), not at the deadline.
+	silent, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	go func() {
+		for {
+			c, err := silent.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	long, stop := context.WithTimeout(context.Background(), time.Minute)
+	time.AfterFunc(100*time.Millisecond, stop)
+	start := time.Now()
+	if r := p.Probe(long, &pool.Upstream{Protocol: pool.SOCKS5, Address: silent.Addr().String()}); r != pool.HandshakeTimeout || time.Since(start) > 5*time.Second {
+		t.Errorf("silent upstream, probe cancelled after 100ms: %s after %s", r, time.Since(start))
+	}
 }
 
 func TestAdminBearerToken(t *testing.T) {

@@ -7,6 +7,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/pool"
@@ -62,7 +63,7 @@ func logLevel(s string) slog.Level {
 // tcpProber is the active probe of ejected upstreams: a TCP connect and, for
 // SOCKS5, the method greeting. It reaches no destination, so probing costs
 // the provider's pool nothing but a connection. Its bound is ctx's deadline,
-// which the pool sets (pool.Config.ProbeTimeout).
+// which the pool sets (pool.Config.ProbeTimeout), or ctx's cancellation.
 type tcpProber struct{}
 
 func (tcpProber) Probe(ctx context.Context, u *pool.Upstream) pool.Result {
@@ -81,6 +82,8 @@ func (tcpProber) Probe(ctx context.Context, u *pool.Upstream) pool.Result {
 	if dl, ok := ctx.Deadline(); ok {
 		c.SetDeadline(dl)
 	}
+	// Cancelled (proxyd stopping), it ends at once, not at the deadline.
+	defer context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })()
 	if _, err := c.Write([]byte{5, 2, 0, 2}); err != nil {
 		return pool.HandshakeTimeout
 	}
