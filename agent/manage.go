@@ -158,7 +158,7 @@ func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id
 	switch {
 	case err == nil:
 		p.log.Info("new IP list requested", "service", id)
-		if _, _, lerr := p.pollServiceLists(ctx, LoopStatus, id); lerr != nil {
+		if _, _, lerr := p.pollServiceLists(ctx, LoopStatus, p.now(), id); lerr != nil {
 			p.log.Warn("polling the new IP list failed; the lists loop retries", "service", id, "err", lerr)
 			p.kick(LoopLists, unit{service: id})
 		}

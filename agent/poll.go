@@ -168,9 +168,9 @@ type Poller struct {
 	trusted  map[string]bool // after a provider change: keys already swapped in without confirmation
 	snap     Snapshot
 	services map[int]*ServiceState
-	pending  map[string]int    // list key → size of an unconfirmed small list
-	lastGood map[string]int    // list key → size of the last list swapped in
-	formats  map[string]string // list type → the format that last parsed
+	pending  map[string]pendingList // list key → an unconfirmed small list
+	lastGood map[string]int         // list key → size of the last list swapped in
+	formats  map[string]string      // list type → the format that last parsed
 	manage   map[int]*manageState
 	// clocks are the schedules of each loop's units (see Poller.loop).
 	clocks [numLoops]map[unit]*clock
@@ -183,10 +183,6 @@ type Poller struct {
 
 	beats  [numLoops]atomic.Int64 // unix nanos of each loop's last heartbeat
 	rounds [numLoops]atomic.Int64 // rounds completed, successful or not
-	// awaiting is set when the loop's last round left a list (the service
-	// list, an IP list, a sticky list) awaiting confirmation: its next
-	// round comes after confirmWait, not the interval.
-	awaiting [numLoops]atomic.Bool
 }
 
 // NewPoller returns a Poller; onChange may be nil. cfg is used as given:
@@ -205,7 +201,7 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 		onChange = func(Snapshot) {}
 	}
 	p := &Poller{client: c, cfg: cloneConfig(cfg), onChange: onChange, log: logger, now: time.Now,
-		services: map[int]*ServiceState{}, pending: map[string]int{}, lastGood: map[string]int{},
+		services: map[int]*ServiceState{}, pending: map[string]pendingList{}, lastGood: map[string]int{},
 		formats: map[string]string{}, manage: map[int]*manageState{}}
 	for i := range p.beats {
 		p.clocks[i] = map[unit]*clock{}
@@ -291,19 +287,27 @@ func (p *Poller) Run(ctx context.Context) error {
 // heartbeatEvery is how often an idle loop shows it is alive.
 const heartbeatEvery = time.Second
 
-// A list awaiting confirmation is polled again after a tenth of its loop's
-// interval, at most maxConfirmWait, for at most maxConfirmRounds rounds in
-// a row; then at the interval again (a list whose size keeps changing is
-// not polled fast for ever).
-const (
-	maxConfirmWait   = 10 * time.Second
-	maxConfirmRounds = 3
-)
+// maxConfirmWait bounds confirmWait.
+const maxConfirmWait = 10 * time.Second
 
-// confirmWait is how soon a loop with interval polls a list awaiting
-// confirmation again.
+// confirmWait is how soon the lists loop, with interval, polls again a
+// service with a list that was empty on its first answer (see
+// Poller.confirm): a tenth of the interval, at most maxConfirmWait. That
+// poll settles the list whatever it brings, so it is brought forward once.
 func confirmWait(interval time.Duration) time.Duration {
 	return min(interval/10, maxConfirmWait)
+}
+
+// confirmAge is how long after the round that brought a shrunken list
+// the round that confirms it must begin, in a loop with interval and
+// jitter: the least a regular wait can be (the interval less its
+// jitter), so that only the next regular poll confirms it, never one
+// brought forward by Kick, a backoff retry or another list's early poll.
+func confirmAge(interval time.Duration, jitter float64) time.Duration {
+	if jitter <= 0 {
+		return interval
+	}
+	return time.Duration(float64(interval) * (1 - jitter))
 }
 
 func (p *Poller) interval(l Loop) time.Duration {
@@ -344,9 +348,6 @@ type unit struct {
 type clock struct {
 	next     time.Time
 	failures int
-	// confirming counts the polls in a row brought forward to confirm a
-	// list (at most maxConfirmRounds).
-	confirming int
 }
 
 // roundStart is what the clocks of the units a round polls are set from.
@@ -416,12 +417,11 @@ func (p *Poller) untilDue(l Loop) time.Duration {
 }
 
 // done sets the clock of unit u after a poll of it in round r: the
-// round's next time after a success, after confirmWait when confirm asks
-// for a list awaiting confirmation to be polled again soon (at most
-// maxConfirmRounds times in a row), its own backoff after a failure,
-// which is logged (and a recovery). Nothing is recorded once ctx has
-// ended.
-func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, confirm bool) {
+// round's next time after a success, or after confirmWait when soon asks
+// for a list that was empty on its first answer to be polled again soon;
+// its own backoff after a failure, which is logged (and a recovery).
+// Nothing is recorded once ctx has ended.
+func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon bool) {
 	if ctx.Err() != nil {
 		return
 	}
@@ -433,17 +433,9 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, conf
 		p.clocks[l][u] = c
 	}
 	before := c.failures
-	early := false
-	switch {
-	case err != nil:
+	if err != nil {
 		c.failures++
-	case !confirm:
-		c.failures, c.confirming = 0, 0
-	case c.confirming < maxConfirmRounds:
-		c.failures = 0
-		c.confirming++
-		early = true
-	default:
+	} else {
 		c.failures = 0
 	}
 	failures := c.failures
@@ -453,9 +445,9 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, conf
 	case err != nil:
 		wait = p.nextWait(p.interval(l), failures, err)
 		next = p.now().Add(wait)
-	case early:
-		if soon := p.now().Add(p.jitter(confirmWait(p.interval(l)))); soon.Before(next) {
-			next = soon
+	case soon:
+		if t := p.now().Add(p.jitter(confirmWait(p.interval(l)))); t.Before(next) {
+			next = t
 		}
 	}
 	p.mu.Lock()
@@ -668,8 +660,8 @@ func (p *Poller) round(ctx context.Context, l Loop, onlyDue bool) error {
 		if len(units) == 0 {
 			return nil
 		}
-		err := p.pollAccount(ctx)
-		p.done(ctx, r, unit{}, err, p.awaiting[LoopAccount].Load())
+		err := p.pollAccount(ctx, r)
+		p.done(ctx, r, unit{}, err, false)
 		return err
 	case LoopLists:
 		return p.pollLists(ctx, r, units)
@@ -697,7 +689,7 @@ func unpaidTotal(invoices []Invoice) (n int, usd float64) {
 	return n, usd
 }
 
-func (p *Poller) pollAccount(ctx context.Context) error {
+func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 	client, cfg, gen := p.current()
 	items, err := client.Services(ctx)
 	if err != nil {
@@ -709,13 +701,13 @@ func (p *Poller) pollAccount(ctx context.Context) error {
 		p.mu.Unlock()
 		return nil // reconfigured meanwhile: the next round asks the new API
 	}
-	listOK := len(cfg.Services) > 0 || p.confirm("services", len(items))
+	listOK := len(cfg.Services) > 0 ||
+		p.confirm(serviceListKey, len(items), r.at, confirmAge(cfg.Account, cfg.Jitter))
 	p.mu.Unlock()
-	p.awaiting[LoopAccount].Store(!listOK)
 	if !listOK {
 		// An empty service list, or one far smaller than the last, would
-		// take every upstream away: wait for the next poll to confirm it.
-		p.log.Warn("service list shrank; keeping the served services until the next poll confirms it", "services", len(items))
+		// take every upstream away: wait for a regular poll to confirm it.
+		p.log.Warn("service list shrank; keeping the served services until the next regular poll confirms it", "services", len(items))
 		items = nil
 		p.mu.Lock()
 		for id := range p.services {
@@ -845,20 +837,17 @@ func listTypes(kind string, protocols []string) []string {
 func (p *Poller) pollLists(ctx context.Context, r roundStart, units []unit) error {
 	var firstErr error
 	fetched := 0
-	awaiting := false
 	gen := r.gen
 	for _, u := range units {
-		ok, held, err := p.pollServiceLists(ctx, LoopLists, u.service)
-		p.done(ctx, r, u, err, held)
+		ok, soon, err := p.pollServiceLists(ctx, LoopLists, r.at, u.service)
+		p.done(ctx, r, u, err, soon)
 		if err != nil && firstErr == nil {
 			firstErr = err
 		}
 		if ok {
 			fetched++
 		}
-		awaiting = awaiting || held
 	}
-	p.awaiting[LoopLists].Store(awaiting)
 	p.mu.Lock()
 	if firstErr == nil && fetched > 0 && p.gen == gen {
 		p.snap.ListsUpdated = p.now()
@@ -869,13 +858,15 @@ func (p *Poller) pollLists(ctx context.Context, r roundStart, units []unit) erro
 }
 
 // pollServiceLists fetches the IP lists (and sticky sessions) of one
-// service and swaps in what is accepted; ok reports that every fetch
-// succeeded, awaiting that a list awaits confirmation. owner is the loop
-// doing the work (the lists loop, or the status loop polling a list it had
-// renewed): each answer beats its heartbeat, so that a slow API never makes
-// it look stuck.
-func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok, awaiting bool, firstErr error) {
+// service in a round begun at at and swaps in what is accepted; ok
+// reports that every fetch succeeded, soon that a list was empty on its
+// first answer, with nothing older, and is best confirmed soon
+// (confirmWait). owner is the loop doing the work (the lists loop, or the
+// status loop polling a list it had renewed): each answer beats its
+// heartbeat, so that a slow API never makes it look stuck.
+func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time, id int) (ok, soon bool, firstErr error) {
 	client, cfg, gen := p.current()
+	minAge := confirmAge(cfg.IPList, cfg.Jitter)
 	p.mu.Lock()
 	st := p.services[id]
 	kind := ""
@@ -932,14 +923,13 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok, 
 	withheld, firstEmpty, entries := false, false, false
 	take := func(key, what string, n int) bool {
 		last, seen := p.lastGood[key]
-		if p.confirm(key, n) {
+		if p.confirm(key, n, at, minAge) {
 			entries = entries || n > 0
 			return true
 		}
-		awaiting = true
 		if seen {
 			withheld = true
-			p.log.Warn(what+" shrank; keeping the last good one until the next poll confirms it",
+			p.log.Warn(what+" shrank; keeping the last good one until the next regular poll confirms it",
 				"service", id, "list", key, "entries", n, "last_good", last)
 		} else {
 			firstEmpty = true
@@ -964,7 +954,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, id int) (ok, 
 	if ok && stickyOK && !withheld && (!firstEmpty || entries) {
 		st.ListsKnown = true
 	}
-	return ok && stickyOK, awaiting, firstErr
+	return ok && stickyOK, firstEmpty, firstErr
 }
 
 // listFormats is the order in which list formats are tried.
@@ -1009,32 +999,49 @@ func (p *Poller) fetchList(ctx context.Context, owner Loop, client *Client, id i
 	return nil, firstErr
 }
 
-// confirm decides whether a fetched list of n entries replaces the last good
-// one: an empty list, or one less than half the last good one, is swapped
-// in only when the next poll brings the same size again (an empty first
-// answer too: the provider answers [] for what it holds inactive, as its
-// sticky list does, and a passing [] must not empty the pool). The loop
-// brings that poll forward (confirmWait). After a provider change each key's first list is swapped
-// in at once. Called with p.mu held.
-func (p *Poller) confirm(key string, n int) bool {
+// serviceListKey is the confirm key of the account's service list.
+const serviceListKey = "services"
+
+// pendingList is a small list awaiting confirmation: its size, and when
+// the round that brought it began.
+type pendingList struct {
+	n  int
+	at time.Time
+}
+
+// confirm decides whether a fetched list of n entries, from a round begun
+// at at, replaces the last good one. An empty list, or one less than half
+// the last good one, is swapped in only when a later poll brings the same
+// size again: a passing [] must not empty the pool, and the provider
+// answers [] for what it holds inactive (an empty first answer is
+// confirmed too). When a last good size stands behind the list (this
+// process's, or the saved state's through Seed), and always for the
+// service list (the daemon's saved pool stands behind it), the
+// confirming round must begin at least minAge (confirmAge) after the one
+// that brought the size: a glitch of seconds, re-polled by a Kick, a
+// backoff retry or another list's early poll, is not confirmed by
+// itself. A first empty list has nothing older to lose, and any later
+// poll confirms it. After a provider change each key's first list is
+// swapped in at once. Called with p.mu held.
+func (p *Poller) confirm(key string, n int, at time.Time, minAge time.Duration) bool {
 	last, seen := p.lastGood[key]
 	suspicious := n == 0 && (!seen || last > 0) || seen && n*2 < last
 	if p.trusted != nil && !p.trusted[key] {
 		p.trusted[key] = true
 		suspicious = false
 	}
-	if !suspicious {
-		p.lastGood[key] = n
-		delete(p.pending, key)
-		return true
+	prev, pending := p.pending[key]
+	switch {
+	case !suspicious:
+	case !pending || prev.n != n:
+		p.pending[key] = pendingList{n: n, at: at}
+		return false
+	case (seen || key == serviceListKey) && at.Before(prev.at.Add(minAge)):
+		return false // the same size again, but too soon to confirm it
 	}
-	if prev, ok := p.pending[key]; ok && prev == n {
-		p.lastGood[key] = n
-		delete(p.pending, key)
-		return true
-	}
-	p.pending[key] = n
-	return false
+	p.lastGood[key] = n
+	delete(p.pending, key)
+	return true
 }
 
 // pollStatus reads the network status of services ids; each one's clock

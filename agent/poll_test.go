@@ -186,8 +186,18 @@ func TestPollerConfiguredServicesAndProtocols(t *testing.T) {
 	}
 }
 
+// fakeNow gives p a fake clock.
+func fakeNow(p *Poller) *fakeClock {
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	p.now = clock.Now
+	return clock
+}
+
+// A far smaller list is swapped in when a poll an ip_list interval later
+// brings it again; a poll brought forward does not confirm it.
 func TestPollerConfirmsShrinkingLists(t *testing.T) {
 	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Protocols = []string{"http"} }))
+	clock := fakeNow(p)
 	pollAll(t, p)
 	full := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"])
 	if full < 3 {
@@ -195,12 +205,21 @@ func TestPollerConfirmsShrinkingLists(t *testing.T) {
 	}
 	sim.SetEntries(101, "http-auth", nil)
 	ctx := context.Background()
+	clock.Advance(10 * time.Minute)
 	if err := p.PollOnce(ctx, LoopLists); err != nil {
 		t.Fatal(err)
 	}
 	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != full {
 		t.Fatalf("an empty list was swapped in without confirmation: %d entries", n)
 	}
+	clock.Advance(time.Minute)
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != full {
+		t.Fatalf("an empty list was confirmed by a poll 1m later (ip_list 10m): %d entries", n)
+	}
+	clock.Advance(9 * time.Minute)
 	if err := p.PollOnce(ctx, LoopLists); err != nil {
 		t.Fatal(err)
 	}
@@ -321,6 +340,7 @@ func TestPollerRotate(t *testing.T) {
 // empty or much smaller first list then needs confirmation like any other.
 func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Protocols = []string{"http"} }))
+	clock := fakeNow(p)
 	p.Seed(map[string]int{"101/http-auth": 3})
 	sim.SetEntries(101, "http-auth", nil)
 	ctx := context.Background()
@@ -333,6 +353,7 @@ func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 	if st := serviceByID(p.Snapshot(), 101); st.ListsKnown {
 		t.Fatalf("an unconfirmed empty first list counts as known: %+v", st.Lists)
 	}
+	clock.Advance(10 * time.Minute)
 	if err := p.PollOnce(ctx, LoopLists); err != nil {
 		t.Fatal(err)
 	}
@@ -354,9 +375,10 @@ func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 }
 
 // An empty service list would take every service away: it needs the next
-// poll to confirm it.
+// regular poll to confirm it.
 func TestPollerServiceListShrinkNeedsConfirmation(t *testing.T) {
 	p, sim, _ := newPollerForTest(t, DefaultPollConfig())
+	clock := fakeNow(p)
 	pollAll(t, p)
 	if n := len(p.Snapshot().Services); n != 3 {
 		t.Fatalf("%d services, want 3", n)
@@ -370,6 +392,7 @@ func TestPollerServiceListShrinkNeedsConfirmation(t *testing.T) {
 	if n := len(p.Snapshot().Services); n != 3 {
 		t.Fatalf("an empty service list dropped services at once: %d left", n)
 	}
+	clock.Advance(15 * time.Minute)
 	sim.FailNext(1, 200, "[]")
 	if err := p.PollOnce(ctx, LoopAccount); err != nil {
 		t.Fatal(err)
@@ -580,6 +603,18 @@ func runSchedule(t *testing.T, p *Poller, clock *fakeClock, l Loop, d time.Durat
 	}
 }
 
+// step advances clock to when loop l's next unit is due and runs that
+// round, as the loop would.
+func step(t *testing.T, p *Poller, clock *fakeClock, l Loop) {
+	t.Helper()
+	w := p.untilDue(l)
+	if w <= 0 || w > p.interval(l) {
+		t.Fatalf("at %v: next %s round in %v, want within (0, %v]", clock.Now(), l, w, p.interval(l))
+	}
+	clock.Advance(w)
+	p.round(context.Background(), l, true)
+}
+
 // A service whose network status keeps failing backs off on its own
 // clock; the other services keep the loop's interval. Ten minutes of the
 // status loop's schedule, on a fake clock.
@@ -704,82 +739,187 @@ func TestPollerFirstEmptyListDoesNotHoldBackSiblings(t *testing.T) {
 		t.Errorf("fpr 101 with an empty socks-ip list: known %v, http-auth %d entries, socks-ip %d; want known",
 			st.ListsKnown, len(st.Lists["http-auth"]), len(st.Lists["socks-ip"]))
 	}
-	if !p.awaiting[LoopLists].Load() {
-		t.Error("the empty lists await confirmation, but the round does not say so")
+	// confirmWait(10m) is 10s, 11s with the jitter.
+	if w := p.untilDue(LoopLists); w > 11*time.Second {
+		t.Errorf("the empty lists await confirmation, but the next lists poll is %v away", w)
 	}
 	if err := p.PollOnce(ctx, LoopLists); err != nil {
 		t.Fatal(err)
 	}
-	if p.awaiting[LoopLists].Load() {
-		t.Error("the empty lists are still awaiting confirmation after the second round")
+	if w := p.untilDue(LoopLists); w < 9*time.Minute {
+		t.Errorf("the empty lists are still awaiting confirmation after the second round: next poll %v away", w)
 	}
 }
 
-// An empty sticky list where the saved state had sessions still needs
-// confirmation before it replaces them, and the confirming poll comes
-// soon: a tenth of ip_list, not ip_list.
-func TestPollerRunConfirmsEmptyListSoon(t *testing.T) {
+// countPaths serves sim, counting the requests whose path starts with
+// each of prefixes at the times clock gives, and failing with 500 those
+// for which fail (if set) says so.
+func countPaths(t *testing.T, sim *providersim.Sim, clock *fakeClock, fail func(path string) bool, prefixes ...string) (*Client, func(prefix string) []time.Duration) {
+	t.Helper()
+	start := clock.Now()
+	var mu sync.Mutex
+	seen := map[string][]time.Duration{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for _, prefix := range prefixes {
+			if strings.HasPrefix(r.URL.Path, prefix) {
+				mu.Lock()
+				seen[prefix] = append(seen[prefix], clock.Now().Sub(start))
+				mu.Unlock()
+			}
+		}
+		if fail != nil && fail(r.URL.Path) {
+			w.WriteHeader(http.StatusInternalServerError)
+			return
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, func(prefix string) []time.Duration { mu.Lock(); defer mu.Unlock(); return slices.Clone(seen[prefix]) }
+}
+
+// A list that is empty on its first answer, with nothing older to keep,
+// is confirmed soon: its service alone is polled again after a tenth of
+// ip_list. An empty sticky list where the saved state had sessions is a
+// shrink: it is confirmed only by the next regular poll, an ip_list
+// later. On a fake clock.
+func TestPollerConfirmsFirstEmptyListSoon(t *testing.T) {
 	cfg := pollConfig(func(c *PollConfig) {
-		c.Services = []int{104}
-		c.IPList = 5 * time.Second
-		c.Jitter = 0
+		c.Services = []int{101, 104} // 104: ppr without sticky sessions
+		c.IPList, c.Jitter = 5*time.Second, 0
 	})
-	q, _, _ := newPollerForTest(t, cfg)
-	q.Seed(map[string]int{"104/sticky": 2})
-	ctx := context.Background()
-	for _, l := range []Loop{LoopAccount, LoopLists} {
-		if err := q.PollOnce(ctx, l); err != nil {
+	newPoller := func() (*Poller, *fakeClock, func(string) []time.Duration) {
+		sim := providersim.New(providersim.Config{})
+		clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+		c, requests := countPaths(t, sim, clock, nil, "/api/sticky/list/104", "/api/iplist/http-auth/json/101")
+		cfg.LookupHost = sim.LookupHost
+		p, err := NewPoller(c, cfg, nil, nil)
+		if err != nil {
 			t.Fatal(err)
 		}
+		p.now = clock.Now
+		if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
+			t.Fatal(err)
+		}
+		return p, clock, requests
 	}
+
+	p, clock, requests := newPoller()
+	runSchedule(t, p, clock, LoopLists, 6*time.Second)
+	// 104 at 0s, 0.5s (confirmWait) and 5.5s; 101 at 0s and 5s only.
+	if got, want := requests("/api/sticky/list/104"), []time.Duration{0, 500 * time.Millisecond, 5500 * time.Millisecond}; !slices.Equal(got, want) {
+		t.Errorf("service 104's sticky list polled at %v, want %v", got, want)
+	}
+	if got, want := requests("/api/iplist/http-auth/json/101"), []time.Duration{0, 5 * time.Second}; !slices.Equal(got, want) {
+		t.Errorf("service 101's list polled at %v, want %v (not brought forward with 104)", got, want)
+	}
+	p.mu.Lock()
+	n, confirmed := p.lastGood["104/sticky"]
+	p.mu.Unlock()
+	if !confirmed || n != 0 || !serviceByID(p.Snapshot(), 104).ListsKnown {
+		t.Errorf("the empty sticky list of 104 is not confirmed (%v, %d) or the service not known", confirmed, n)
+	}
+
+	q, clock, requests := newPoller()
+	q.Seed(map[string]int{"104/sticky": 2})
+	q.round(context.Background(), LoopLists, true) // at 0s
 	if serviceByID(q.Snapshot(), 104).ListsKnown {
 		t.Fatal("an empty sticky list replaced the saved sessions without confirmation")
 	}
-
-	p, _, _ := newPollerForTest(t, cfg)
-	p.Seed(map[string]int{"104/sticky": 2})
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); p.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	start := time.Now()
-	waitUntil(t, 2500*time.Millisecond, "the empty sticky list was not confirmed within half of ip_list", func() bool {
-		st := serviceByID(p.Snapshot(), 104)
-		return st != nil && st.ListsKnown
-	})
-	if n := p.Rounds(LoopLists); n < 2 {
-		t.Errorf("confirmed after %d lists rounds, want 2", n)
+	if w := q.untilDue(LoopLists); w != 5*time.Second {
+		t.Errorf("a shrink against the saved state's sessions is polled again after %v, want 5s (ip_list)", w)
 	}
-	t.Logf("confirmed %v after Run started", time.Since(start).Round(time.Millisecond))
+	step(t, q, clock, LoopLists) // at 5s
+	if !serviceByID(q.Snapshot(), 104).ListsKnown {
+		t.Error("the empty sticky list was not confirmed by the poll one ip_list later")
+	}
 }
 
-// A list whose size keeps changing is polled early at most
-// maxConfirmRounds times in a row, then at ip_list again.
-func TestPollerRunConfirmRoundsBounded(t *testing.T) {
+// A far smaller list is not confirmed by a poll that comes sooner than
+// ip_list: neither one a Kick brings forward nor the service's backoff
+// retries while another of its lists fails. On a fake clock.
+func TestPollerShrinkNotConfirmedEarly(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
 	var ten []providersim.Entry
 	for i := range 10 {
 		ten = append(ten, providersim.Entry{Host: fmt.Sprintf("10.0.1.%d", i+1), Port: 8080, Login: "u", Password: "p"})
 	}
+	one := ten[:1]
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	var failSocks atomic.Bool
+	c, requests := countPaths(t, sim, clock, func(path string) bool {
+		return failSocks.Load() && strings.HasPrefix(path, "/api/iplist/socks-ip/")
+	}, "/api/iplist/http-auth/")
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101}
+		c.IPList, c.MaxBackoff, c.Jitter = time.Minute, 10*time.Minute, 0
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.now = clock.Now
+	ctx := context.Background()
+	entries := func() int { return len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]) }
 	sim.SetEntries(101, "http-auth", ten)
-	var mu sync.Mutex
-	var times []time.Time
+	for _, l := range []Loop{LoopAccount, LoopLists} {
+		if err := p.PollOnce(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Kicked 1s after the round that brought the small list.
+	sim.SetEntries(101, "http-auth", one)
+	step(t, p, clock, LoopLists) // at 1m
+	clock.Advance(time.Second)
+	p.Kick(LoopLists)
+	p.round(ctx, LoopLists, true)
+	if n := entries(); n != 10 {
+		t.Fatalf("a kicked poll 1s after the shrink confirmed it: %d entries", n)
+	}
+	step(t, p, clock, LoopLists) // at 2m1s
+	if n := entries(); n != 1 {
+		t.Fatalf("the poll one ip_list later did not confirm the shrink: %d entries", n)
+	}
+
+	// The list grows back (no confirmation needed), then shrinks while
+	// socks-ip fails: the service retries at 5s, 15s, 35s, 75s.
+	sim.SetEntries(101, "http-auth", ten)
+	step(t, p, clock, LoopLists) // at 3m1s
+	if n := entries(); n != 10 {
+		t.Fatalf("the grown list was not swapped in: %d entries", n)
+	}
+	sim.SetEntries(101, "http-auth", one)
+	failSocks.Store(true)
+	before := len(requests("/api/iplist/http-auth/"))
+	for range 4 { // 4m1s, 4m6s, 4m16s, 4m36s
+		step(t, p, clock, LoopLists)
+	}
+	if got := len(requests("/api/iplist/http-auth/")) - before; got != 4 {
+		t.Errorf("%d polls of the list while socks-ip failed, want 4", got)
+	}
+	if n := entries(); n != 10 {
+		t.Fatalf("a backoff retry confirmed the shrink: %d entries", n)
+	}
+	step(t, p, clock, LoopLists) // 5m16s
+	if n := entries(); n != 1 {
+		t.Errorf("the retry past one ip_list did not confirm the shrink: %d entries", n)
+	}
+}
+
+// An empty service list is not polled again early, and not confirmed by a
+// poll a Kick (a reload, a service joining) brings forward: only by the
+// next regular one, an account interval later.
+func TestPollerServiceListShrinkConfirmedOnlyAtInterval(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	var empty atomic.Bool
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if strings.HasPrefix(r.URL.Path, "/api/iplist/http-auth/") {
-			mu.Lock()
-			times = append(times, time.Now())
-			n := len(times)
-			mu.Unlock()
-			// 10 entries, then 1, 2, 1, 2, …: each far smaller than 10
-			// and never the same twice in a row.
-			if n > 1 {
-				body := `["10.0.1.1:8080"]`
-				if n%2 == 1 {
-					body = `["10.0.1.1:8080","10.0.1.2:8080"]`
-				}
-				io.WriteString(w, body)
-				return
-			}
+		if empty.Load() && r.URL.Path == "/api/services" {
+			io.WriteString(w, "[]")
+			return
 		}
 		sim.ServeHTTP(w, r)
 	}))
@@ -788,37 +928,33 @@ func TestPollerRunConfirmRoundsBounded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols = []int{101}, []string{"http"}
-		c.IPList, c.Jitter = time.Second, 0
-	}), nil, nil)
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Jitter = 0 }), nil, nil) // account 15m
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); p.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	waitUntil(t, 10*time.Second, "fewer than 6 list requests", func() bool { mu.Lock(); defer mu.Unlock(); return len(times) >= 6 })
-	mu.Lock()
-	defer mu.Unlock()
-	var gaps []time.Duration
-	for i := 1; i < 6; i++ {
-		gaps = append(gaps, times[i].Sub(times[i-1]))
+	p.now = clock.Now
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
 	}
-	// 10 (known) → 1s → 1 (awaiting) → 100ms → 2 → 100ms → 1 → 100ms → 2
-	// (three early rounds done) → 1s.
-	early, late := gaps[1:4], gaps[4]
-	for _, g := range early {
-		if g > 600*time.Millisecond {
-			t.Errorf("gaps %v: an early confirmation round came after %v, want about 100ms", gaps, g)
-		}
+	served := func() int { return len(p.Snapshot().Services) }
+	if served() != 3 {
+		t.Fatalf("%d services, want 3", served())
 	}
-	if late < 800*time.Millisecond {
-		t.Errorf("gaps %v: a fourth early round after %v, want ip_list (1s)", gaps, late)
+	empty.Store(true)
+	step(t, p, clock, LoopAccount) // 15m
+	if w := p.untilDue(LoopAccount); w != 15*time.Minute {
+		t.Errorf("after an empty service list the next account poll is %v away, want 15m", w)
 	}
-	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != 10 {
-		t.Errorf("%d entries: the unconfirmed small lists replaced the last good one of 10", n)
+	clock.Advance(10 * time.Second)
+	p.Kick(LoopAccount)
+	p.round(ctx, LoopAccount, true)
+	if served() != 3 {
+		t.Fatalf("a kicked poll 10s after an empty service list dropped the services: %d left", served())
+	}
+	step(t, p, clock, LoopAccount) // 30m10s
+	if served() != 0 {
+		t.Errorf("the empty list, again an account interval later, must drop them: %d left", served())
 	}
 }
 

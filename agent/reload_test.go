@@ -133,6 +133,7 @@ func TestPollerReconfigureSameProvider(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	clock := fakeNow(p)
 	pollAll(t, p)
 	sim.SetEntries(104, "ppr-http", gatewayEntries(2))
 	cfg.IPList = 2 * time.Second
@@ -146,6 +147,7 @@ func TestPollerReconfigureSameProvider(t *testing.T) {
 	if got := len(serviceByID(p.Snapshot(), 104).Lists["ppr-http"]); got != 6 {
 		t.Errorf("far smaller list swapped in without confirmation: %d entries", got)
 	}
+	clock.Advance(2 * time.Second) // the new ip_list
 	pollAll(t, p)
 	if got := len(serviceByID(p.Snapshot(), 104).Lists["ppr-http"]); got != 2 {
 		t.Errorf("confirmed list not swapped in: %d entries", got)
