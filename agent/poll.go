@@ -117,9 +117,13 @@ type ServiceState struct {
 	// service came with entries: there is nothing older to keep then, and
 	// the service's entries are served while the empty list is confirmed.
 	ListsKnown bool
-	// StatusKnown: both network-status lists were fetched at least once
-	// (in one round). Each list is updated whenever its own fetch
-	// succeeds; one whose fetch fails keeps its last good value.
+	// ErroredKnown and InactiveKnown: that network-status list was
+	// fetched at least once. Each list is polled on its own clock and
+	// updated whenever its own fetch succeeds; one whose fetch fails keeps
+	// its last good value (and backs off alone), so the daemon applies each
+	// list once it is known, the other keeping what the daemon had.
+	ErroredKnown, InactiveKnown bool
+	// StatusKnown: both network-status lists are known.
 	StatusKnown bool
 	// Resolved maps each host name among the sticky sessions' servers and
 	// the list entries' hosts to the addresses it resolved to in the last
@@ -338,10 +342,19 @@ func (p *Poller) loop(ctx context.Context, l Loop, afterRound func()) {
 }
 
 // unit is what one clock of a loop schedules: in the account loop the
-// account (service 0), in the others one served service.
+// account (service 0), in the status loop one network-status list of a
+// served service (part: statusErrors or statusInactive), in the others
+// one served service.
 type unit struct {
 	service int
+	part    string
 }
+
+// The parts of a service the status loop polls on their own clocks.
+const (
+	statusErrors   = "errors"   // networkstatus/errors
+	statusInactive = "inactive" // networkstatus/inactive
+)
 
 // clock is when a loop next polls one unit, and how many polls of it
 // failed in a row.
@@ -368,17 +381,21 @@ func (p *Poller) startRound(l Loop) roundStart {
 }
 
 // units returns the units loop l polls: the account, every served
-// service, or (LoopUsage) the ppr ones. Called with p.mu held.
+// service (LoopStatus: each of its two lists), or (LoopUsage) the ppr
+// ones. Called with p.mu held.
 func (p *Poller) units(l Loop) []unit {
 	if l == LoopAccount {
 		return []unit{{}}
 	}
 	var us []unit
 	for _, id := range slices.Sorted(maps.Keys(p.services)) {
-		if l == LoopUsage && p.services[id].Record.ProductType != "ppr" {
-			continue
+		switch {
+		case l == LoopStatus:
+			us = append(us, unit{id, statusErrors}, unit{id, statusInactive})
+		case l == LoopUsage && p.services[id].Record.ProductType != "ppr":
+		default:
+			us = append(us, unit{service: id})
 		}
-		us = append(us, unit{service: id})
 	}
 	return us
 }
@@ -459,6 +476,9 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon
 	var what []any
 	if l != LoopAccount {
 		what = []any{"service", u.service}
+	}
+	if u.part != "" {
+		what = append(what, "list", u.part)
 	}
 	p.logPoll(l, err, failures, wait, what...)
 }
@@ -776,7 +796,11 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 			delete(p.services, id)
 			delete(p.manage, id)
 			for _, clocks := range p.clocks[LoopAccount+1:] {
-				delete(clocks, unit{service: id})
+				for u := range clocks {
+					if u.service == id {
+						delete(clocks, u)
+					}
+				}
 			}
 			if !slices.Contains(dropped, id) {
 				dropped = append(dropped, id)
@@ -1044,41 +1068,38 @@ func (p *Poller) confirm(key string, n int, at time.Time, minAge time.Duration) 
 	return true
 }
 
-// pollStatus reads the network status of services ids; each one's clock
-// is set by its own outcome.
+// pollStatus reads the network-status lists units; each one's clock is
+// set by its own outcome, and each list is applied when its own fetch
+// succeeded (the other keeps its last good value).
 func (p *Poller) pollStatus(ctx context.Context, r roundStart, units []unit) error {
 	client, _, gen := p.current()
 	var firstErr error
 	for _, u := range units {
 		id := u.service
-		// Each list is applied when its own fetch succeeded; the other
-		// keeps its last good value.
-		var err error
-		errored, eerr := client.NetworkErrors(ctx, id)
-		p.beat(LoopStatus)
-		if eerr != nil {
-			err = fmt.Errorf("polling network errors of service %d: %w", id, eerr)
+		fetch, what := client.NetworkErrors, "network errors"
+		if u.part == statusInactive {
+			fetch, what = client.NetworkInactive, "inactive servers"
 		}
-		inactive, ierr := client.NetworkInactive(ctx, id)
+		ips, err := fetch(ctx, id)
 		p.beat(LoopStatus)
-		if ierr != nil && err == nil {
-			err = fmt.Errorf("polling inactive servers of service %d: %w", id, ierr)
+		if err != nil {
+			err = fmt.Errorf("polling %s of service %d: %w", what, id, err)
 		}
 		p.done(ctx, r, u, err, false)
-		if firstErr == nil {
-			firstErr = err
+		if err != nil {
+			if firstErr == nil {
+				firstErr = err
+			}
+			continue
 		}
 		p.mu.Lock()
 		if st := p.services[id]; st != nil && p.gen == gen {
-			if eerr == nil {
-				st.Errored = errored
+			if u.part == statusInactive {
+				st.Inactive, st.InactiveKnown = ips, true
+			} else {
+				st.Errored, st.ErroredKnown = ips, true
 			}
-			if ierr == nil {
-				st.Inactive = inactive
-			}
-			if eerr == nil && ierr == nil {
-				st.StatusKnown = true
-			}
+			st.StatusKnown = st.ErroredKnown && st.InactiveKnown
 		}
 		p.mu.Unlock()
 	}

@@ -651,6 +651,44 @@ func TestPollerStatusBackoffPerService(t *testing.T) {
 	}
 }
 
+// When only the inactive list of a service fails, its errored list keeps
+// the network_status interval and, from a fresh start, is known (for the
+// daemon to apply) on its own. Ten minutes of the status loop, on a fake
+// clock.
+func TestPollerStatusListsOwnClocks(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	const errored101, inactive101 = "/api/networkstatus/errors/101", "/api/networkstatus/inactive/101"
+	c, requests := countPaths(t, sim, clock, func(path string) bool { return path == inactive101 },
+		errored101, inactive101, "/api/networkstatus/errors/102")
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services = []int{101, 102}
+		c.NetworkStatus, c.Jitter = 30*time.Second, 0
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.now = clock.Now
+	if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	sim.MarkErrored(101, "10.0.0.1")
+	runSchedule(t, p, clock, LoopStatus, 10*time.Minute)
+	// Errored lists every 30s: 20 polls each; 101's inactive list at 0s,
+	// then after 5s, 10s, 20s, …, 320s: 7.
+	if e1, e2, i1 := len(requests(errored101)), len(requests("/api/networkstatus/errors/102")), len(requests(inactive101)); e1 != 20 || e2 != 20 || i1 != 7 {
+		t.Errorf("in 10m: errored 101 %d (want 20), errored 102 %d (want 20), inactive 101 %d (want 7, its own backoff)", e1, e2, i1)
+	}
+	st := serviceByID(p.Snapshot(), 101)
+	if !st.ErroredKnown || st.InactiveKnown || st.StatusKnown || !slices.Equal(st.Errored, []string{"10.0.0.1"}) {
+		t.Errorf("service 101: errored known %v %v, inactive known %v, status known %v; want the errored list known alone",
+			st.ErroredKnown, st.Errored, st.InactiveKnown, st.StatusKnown)
+	}
+	if st := serviceByID(p.Snapshot(), 102); !st.ErroredKnown || !st.InactiveKnown || !st.StatusKnown {
+		t.Errorf("service 102: errored known %v, inactive known %v, status known %v; want all", st.ErroredKnown, st.InactiveKnown, st.StatusKnown)
+	}
+}
+
 // The same through Run: while service 104's status fails and backs off,
 // a new errored IP of service 101 is seen within network_status.
 func TestPollerRunStatusBackoffPerService(t *testing.T) {
