@@ -359,8 +359,19 @@ const (
 // clock is when a loop next polls one unit, and how many polls of it
 // failed in a row.
 type clock struct {
-	next     time.Time
-	failures int
+	next time.Time // Kick clears it
+	// notBefore is the time a 429 named (Poller.rateLimited): the unit is
+	// not polled before it, Kick or not.
+	notBefore time.Time
+	failures  int
+}
+
+// due is when the unit is due.
+func (c *clock) due() time.Time {
+	if c.notBefore.After(c.next) {
+		return c.notBefore
+	}
+	return c.next
 }
 
 // roundStart is what the clocks of the units a round polls are set from.
@@ -408,7 +419,7 @@ func (p *Poller) pollable(l Loop, onlyDue bool) []unit {
 	defer p.mu.Unlock()
 	var due []unit
 	for _, u := range p.units(l) {
-		if c := p.clocks[l][u]; onlyDue && c != nil && now.Before(c.next) {
+		if c := p.clocks[l][u]; onlyDue && c != nil && now.Before(c.due()) {
 			continue
 		}
 		due = append(due, u)
@@ -428,7 +439,7 @@ func (p *Poller) untilDue(l Loop) time.Duration {
 		if c == nil {
 			return 0
 		}
-		wait = min(wait, c.next.Sub(now))
+		wait = min(wait, c.due().Sub(now))
 	}
 	return max(wait, 0)
 }
@@ -436,7 +447,8 @@ func (p *Poller) untilDue(l Loop) time.Duration {
 // done sets the clock of unit u after a poll of it in round r: the
 // round's next time after a success, or after confirmWait when soon asks
 // for a list that was empty on its first answer to be polled again soon;
-// its own backoff after a failure, which is logged (and a recovery).
+// its own backoff after a failure, which is logged (and a recovery), and
+// after a 429 not before the time it named (notBefore, which Kick leaves).
 // Nothing is recorded once ctx has ended.
 func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon bool) {
 	if ctx.Err() != nil {
@@ -458,17 +470,19 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon
 	failures := c.failures
 	p.mu.Unlock()
 	next, wait := r.next, time.Duration(0)
+	var notBefore time.Time
 	switch {
 	case err != nil:
 		wait = p.nextWait(p.interval(l), failures, err)
 		next = p.now().Add(wait)
+		notBefore, _, _, _ = p.rateLimited(err)
 	case soon:
 		if t := p.now().Add(p.jitter(confirmWait(p.interval(l)))); t.Before(next) {
 			next = t
 		}
 	}
 	p.mu.Lock()
-	c.next = next
+	c.next, c.notBefore = next, notBefore
 	p.mu.Unlock()
 	if err == nil {
 		failures = before // a recovery is logged with the failures it ends
@@ -531,7 +545,9 @@ func (p *Poller) wait(ctx context.Context, l Loop, wake <-chan struct{}, timer <
 }
 
 // Kick makes loop l poll every unit now instead of at the end of its
-// wait, those backing off included (their failure counts stay).
+// wait, those backing off included (their failure counts stay), but not
+// before the time a 429 named: "a 429 waits at least until the time it
+// names", whatever woke the loop (a reload, a service joining).
 func (p *Poller) Kick(l Loop) {
 	if l < 0 || l >= numLoops {
 		return

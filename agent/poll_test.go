@@ -1048,3 +1048,72 @@ func TestPollerListsBackoffPerService(t *testing.T) {
 		t.Error("service 101's lists are not known")
 	}
 }
+
+// A 429 waits at least until the time it names, though Kick (every
+// reload, a service joining) wakes the loop: in the usage loop service
+// 104's rate, in the account loop the service list. On a fake clock.
+func TestPollerKickKeepsRateLimitWait(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	var limited atomic.Bool
+	tooMany := func(path string) bool {
+		return path == "/api/rate/104" || limited.Load() && path == "/api/services"
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if tooMany(r.URL.Path) {
+			w.WriteHeader(http.StatusTooManyRequests)
+			io.WriteString(w, `{"error":"Too Many Attempts. Next update possible: 2026-11-21 10:30:00"}`)
+			return
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{102, 104}; c.Jitter = 0 })
+	p, err := NewPoller(c, cfg, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.now = clock.Now
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	p.round(ctx, LoopUsage, true) // 104: 429 until 10:30
+	limited.Store(true)
+	clock.Advance(15 * time.Minute)
+	p.round(ctx, LoopAccount, true) // 10:15: 429 until 10:30
+	rates, services := sim.Requests(RouteRate), sim.Requests(RouteServices)
+
+	clock.Advance(time.Minute)
+	if err := p.Reconfigure(c, cfg, false); err != nil { // kicks every loop
+		t.Fatal(err)
+	}
+	if got, want := p.pollable(LoopUsage, true), []unit{{service: 102}}; !slices.Equal(got, want) {
+		t.Errorf("due in the usage loop after Kick: %v, want %v (104 waits for 10:30)", got, want)
+	}
+	p.round(ctx, LoopUsage, true)
+	p.round(ctx, LoopAccount, true)
+	if got := sim.Requests(RouteRate) - rates; got != 1 {
+		t.Errorf("%d rate requests after Kick, want 1 (102's)", got)
+	}
+	if got := sim.Requests(RouteServices) - services; got != 0 {
+		t.Errorf("the service list was polled after Kick, before the 429's time")
+	}
+	if w := p.untilDue(LoopAccount); w != 14*time.Minute {
+		t.Errorf("next account round in %v, want 14m (10:30)", w)
+	}
+
+	clock.Advance(14 * time.Minute) // 10:30
+	limited.Store(false)
+	if got := p.pollable(LoopUsage, true); !slices.Contains(got, unit{service: 104}) {
+		t.Errorf("due in the usage loop at the 429's time: %v, want 104 among them", got)
+	}
+	p.round(ctx, LoopAccount, true)
+	if got := sim.Requests(RouteServices) - services; got != 1 {
+		t.Errorf("%d service list requests at the 429's time, want 1", got)
+	}
+}
