@@ -243,7 +243,12 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 	if providerChanged {
 		p.trusted = map[string]bool{}
 		clear(p.pending)
-		clear(p.manage) // the new provider's lists start their own clocks
+		// The new provider's lists start their own clocks: no backoff or
+		// 429 of the old one holds them back.
+		clear(p.manage)
+		for _, clocks := range p.clocks {
+			clear(clocks)
+		}
 	}
 	p.mu.Unlock()
 	p.kickAfterAccount.Store(true)
@@ -411,6 +416,21 @@ func (p *Poller) units(l Loop) []unit {
 	return us
 }
 
+// pruneClocks drops the clocks of units no longer polled: those of
+// services that left, or (LoopUsage) stopped being ppr. With done, which
+// keeps no clock for such a unit, it bounds the clocks by the served
+// services. Called with p.mu held.
+func (p *Poller) pruneClocks() {
+	for l, clocks := range p.clocks {
+		units := p.units(Loop(l))
+		for u := range clocks {
+			if !slices.Contains(units, u) {
+				delete(clocks, u)
+			}
+		}
+	}
+}
+
 // pollable returns the units loop l polls; with onlyDue, those whose
 // clock is due.
 func (p *Poller) pollable(l Loop, onlyDue bool) []unit {
@@ -444,7 +464,8 @@ func (p *Poller) untilDue(l Loop) time.Duration {
 	return max(wait, 0)
 }
 
-// done sets the clock of unit u after a poll of it in round r: the
+// done sets the clock of unit u after a poll of it in round r (unless
+// the poller was reconfigured since, or u is no longer polled): the
 // round's next time after a success, or after confirmWait when soon asks
 // for a list that was empty on its first answer to be polled again soon;
 // its own backoff after a failure, which is logged (and a recovery), and
@@ -457,7 +478,10 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon
 	l := r.loop
 	p.mu.Lock()
 	c := p.clocks[l][u]
-	if c == nil {
+	switch {
+	case p.gen != r.gen || !slices.Contains(p.units(l), u):
+		c = &clock{} // logged below, not kept
+	case c == nil:
 		c = &clock{}
 		p.clocks[l][u] = c
 	}
@@ -811,19 +835,13 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 		if slices.Contains(dropped, id) || !slices.Contains(want, id) {
 			delete(p.services, id)
 			delete(p.manage, id)
-			for _, clocks := range p.clocks[LoopAccount+1:] {
-				for u := range clocks {
-					if u.service == id {
-						delete(clocks, u)
-					}
-				}
-			}
 			if !slices.Contains(dropped, id) {
 				dropped = append(dropped, id)
 			}
 		}
 	}
 	p.snap.Dropped = dropped
+	p.pruneClocks()
 	if cerr == nil {
 		p.snap.Credit, p.snap.CreditKnown = credit, true
 	}

@@ -1117,3 +1117,66 @@ func TestPollerKickKeepsRateLimitWait(t *testing.T) {
 		t.Errorf("%d service list requests at the 429's time, want 1", got)
 	}
 }
+
+// Clocks are kept only for the units the loops poll: none for a service
+// that left while it was polled, none from a round begun before a
+// reload, none for a service no longer served; and a provider change
+// clears them all (the new provider owes nothing to the old one's
+// backoff or 429).
+func TestPollerClocksBounded(t *testing.T) {
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
+	p, _, _ := newPollerForTest(t, cfg)
+	clock := fakeNow(p)
+	ctx := context.Background()
+	pollAll(t, p)
+	count := func() (n int) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		for _, clocks := range p.clocks {
+			n += len(clocks)
+		}
+		return n
+	}
+	// account 1, lists 2, status 2×2, usage 1 (ppr 102)
+	if n := count(); n != 8 {
+		t.Fatalf("%d clocks after a round of every loop, want 8", n)
+	}
+	p.done(ctx, p.startRound(LoopStatus), unit{999, statusErrors}, nil, false)
+	if n := count(); n != 8 {
+		t.Errorf("%d clocks after a poll of service 999, which is not served, want 8", n)
+	}
+
+	r := p.startRound(LoopUsage)
+	client, _, _ := p.current()
+	if err := p.Reconfigure(client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	p.done(ctx, r, unit{service: 102}, &APIError{Status: 429, NextAllowed: clock.Now().Add(30 * time.Minute)}, false)
+	if got := p.pollable(LoopUsage, true); !slices.Equal(got, []unit{{service: 102}}) {
+		t.Errorf("due after the reload: %v, want 102 (the 429 came from a round begun before it)", got)
+	}
+
+	cfg.Services = []int{101}
+	if err := p.Reconfigure(client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	p.mu.Lock()
+	for l, clocks := range p.clocks {
+		for u := range clocks {
+			if u.service == 102 {
+				t.Errorf("loop %s keeps a clock for service 102, no longer served", Loop(l))
+			}
+		}
+	}
+	p.mu.Unlock()
+
+	if err := p.Reconfigure(client, cfg, true); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(); n != 0 {
+		t.Errorf("%d clocks after a provider change, want none", n)
+	}
+}
