@@ -129,7 +129,8 @@ type ServiceState struct {
 	// the list entries' hosts to the addresses it resolved to in the last
 	// lists round: how a session's port is found in a list of IPs, and the
 	// IP the network-status lists name for an upstream dialed by name
-	// (UpstreamSpec.StatusIP). Empty when the lookup failed.
+	// (UpstreamSpec.StatusIP). A name whose lookup failed keeps the
+	// addresses of its last good one (none if it never resolved).
 	Resolved map[string][]string
 }
 
@@ -929,9 +930,11 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	st := p.services[id]
 	kind := ""
 	var hosts []string // host names of the lists and sessions kept, and of those fetched
+	var resolved map[string][]string
 	if st != nil {
 		kind = st.Record.ProductType
 		hosts = hostNames(st.Sticky, st.Lists)
+		resolved = st.Resolved // replaced by each round, never changed in place
 	}
 	p.mu.Unlock()
 	if st == nil {
@@ -968,7 +971,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 			sticky = sl.Sessions
 		}
 	}
-	resolved := p.resolveHosts(ctx, owner, cfg, append(hosts, hostNames(sticky, lists)...))
+	resolved = p.resolveHosts(ctx, owner, cfg, append(hosts, hostNames(sticky, lists)...), resolved)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	st = p.services[id]

@@ -33,8 +33,8 @@ type UpstreamSpec struct {
 	// in the last lists round (ServiceState.Resolved), the one the
 	// service's IP lists name if any, else the lowest. Compare the status
 	// lists with StatusIP when it is set, else with Address's host. Empty
-	// when Address's host is an IP address already, or the name did not
-	// resolve.
+	// when Address's host is an IP address already, or the name never
+	// resolved.
 	StatusIP string
 }
 
@@ -276,10 +276,12 @@ func hostNames(sessions []StickySession, lists map[string][]Entry) []string {
 // provider's gateways: sticky servers, list entries), each once per lists
 // round: a session's port is then found in lists that name the gateway by
 // IP, and an upstream dialed by name gets the IP the network-status lists
-// name it by. A failed lookup leaves the name without addresses (its
-// sessions match by name or as the list's single entry). Each lookup
-// beats loop owner.
-func (p *Poller) resolveHosts(ctx context.Context, owner Loop, cfg PollConfig, hosts []string) map[string][]string {
+// name it by. A failed lookup keeps the name's addresses in last, the
+// previous round's answers (a resolver's passing failure must not unmatch
+// the sessions and status IPs of a gateway until the next round); a name
+// that never resolved has none (its sessions match by name or as the
+// list's single entry). Each lookup beats loop owner.
+func (p *Poller) resolveHosts(ctx context.Context, owner Loop, cfg PollConfig, hosts []string, last map[string][]string) map[string][]string {
 	lookup := cfg.LookupHost
 	if lookup == nil {
 		lookup = net.DefaultResolver.LookupHost
@@ -303,8 +305,8 @@ func (p *Poller) resolveHosts(ctx context.Context, owner Loop, cfg PollConfig, h
 		addrs, err := lookup(ctx, h)
 		p.beat(owner)
 		if err != nil {
-			p.log.Debug("resolving a gateway's host name", "host", h, "err", err)
-			out[h] = nil
+			p.log.Debug("resolving a gateway's host name failed; keeping its last addresses", "host", h, "err", err, "last", last[h])
+			out[h] = last[h]
 			continue
 		}
 		out[h] = addrs

@@ -2,9 +2,11 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/proxyd/proxyd/agent/providersim"
@@ -229,7 +231,7 @@ func TestResolveServersOncePerRound(t *testing.T) {
 		}
 	}))
 	_, cfg, _ := p.current()
-	got := p.resolveHosts(context.Background(), LoopLists, cfg, hostNames([]StickySession{{Server: gwName}, {Server: gwName}, {Server: "192.0.2.7"}, {Server: "other.example"}}, nil))
+	got := p.resolveHosts(context.Background(), LoopLists, cfg, hostNames([]StickySession{{Server: gwName}, {Server: gwName}, {Server: "192.0.2.7"}, {Server: "other.example"}}, nil), nil)
 	if !slices.Equal(asked, []string{gwName, "other.example"}) || len(got) != 2 || !slices.Equal(got[gwName], []string{gwIP}) {
 		t.Errorf("asked %v, got %v", asked, got)
 	}
@@ -315,5 +317,50 @@ func TestSimGatewayByNameStatusIP(t *testing.T) {
 				t.Error("no upstream dialed at the gateway's name: the test proved nothing")
 			}
 		})
+	}
+}
+
+// A failed lookup of a gateway's name keeps the addresses of the last
+// good one: the upstreams dialed at the name keep their StatusIP, so an
+// errored gateway does not come back into the pool for a round.
+func TestSimGatewayLookupFailureKeepsAddresses(t *testing.T) {
+	var fail atomic.Bool
+	var lookup func(ctx context.Context, host string) ([]string, error)
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
+		c.Services = []int{102}
+		c.LookupHost = func(ctx context.Context, host string) ([]string, error) {
+			if fail.Load() {
+				return nil, errors.New("lookup " + host + ": server misbehaving")
+			}
+			return lookup(ctx, host)
+		}
+	}))
+	lookup = sim.LookupHost
+	l := providersim.LayoutDefault
+	l.PPRHosts, l.StickyPorts = providersim.PPRHostName, providersim.StickyPortOne
+	sim.SetLayout(l)
+	pollAll(t, p)
+	statusIPs := func() (ips []string) {
+		st := serviceByID(p.Snapshot(), 102)
+		for _, u := range st.Upstreams() {
+			if strings.HasPrefix(u.Address, providersim.StickyGateway+":") {
+				ips = append(ips, u.StatusIP)
+			}
+		}
+		return ips
+	}
+	before := statusIPs()
+	if len(before) == 0 || slices.Contains(before, "") {
+		t.Fatalf("status IPs of the upstreams at the gateway's name: %q; the test proves nothing", before)
+	}
+	fail.Store(true)
+	if err := p.PollOnce(context.Background(), LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if after := statusIPs(); !slices.Equal(after, before) {
+		t.Errorf("after a failed lookup the status IPs are %q, want %q kept", after, before)
+	}
+	if got := serviceByID(p.Snapshot(), 102).Resolved[providersim.StickyGateway]; !slices.Contains(got, providersim.StickyGatewayAddr) {
+		t.Errorf("resolved %v after a failed lookup, want the last good %s", got, providersim.StickyGatewayAddr)
 	}
 }
