@@ -55,8 +55,11 @@ type PollConfig struct {
 	// OnEvent, if set, receives the events of the list updates Manage
 	// requests. It is called from the poll loops and must not block.
 	OnEvent func(Event) `toml:"-"`
-	// LookupHost resolves sticky session servers to match them against
-	// lists of IPs; nil means net.DefaultResolver.LookupHost.
+	// LookupHost resolves the provider's gateway names, once per lists
+	// round: the sticky sessions' servers and the list entries' hosts, so
+	// that a session's port is found in a list of IPs and an upstream
+	// dialed by name gets the IP the network-status lists name it by
+	// (UpstreamSpec.StatusIP). nil means net.DefaultResolver.LookupHost.
 	LookupHost func(ctx context.Context, host string) ([]string, error) `toml:"-"`
 }
 
@@ -223,10 +226,11 @@ func cloneConfig(c PollConfig) PollConfig {
 }
 
 // Reconfigure moves the loops to client c and cfg at once (a reload): every
-// loop is woken, its next wait uses the new intervals, and results of
-// rounds begun before are dropped. Rotations in flight finish against the
-// client they started with. providerChanged (a new base URL or credential)
-// lets the next lists and service list replace the old ones without the
+// loop is woken (Kick: a 429's time still holds), its next wait uses the
+// new intervals, and results of rounds begun before are dropped. Rotations
+// in flight finish against the client they started with. providerChanged
+// (a new base URL or credential) clears the loops' clocks and lets the
+// next lists and service list replace the old ones without the
 // confirmation a far smaller list needs (the operator asked for the
 // change). A changed service set takes effect at the account round this
 // triggers, which kicks the other loops when it ends.

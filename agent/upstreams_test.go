@@ -220,9 +220,10 @@ func TestStickyRecordPorts(t *testing.T) {
 	}
 }
 
-// TestResolveServersOncePerRound checks that each distinct host name is
-// looked up once per lists round and IP literals not at all.
-func TestResolveServersOncePerRound(t *testing.T) {
+// TestResolveHostsOncePerRound checks that each distinct host name, of a
+// sticky server or a list entry, is looked up once per lists round and
+// IP literals not at all.
+func TestResolveHostsOncePerRound(t *testing.T) {
 	var asked []string
 	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
 		c.LookupHost = func(ctx context.Context, host string) ([]string, error) {
@@ -231,8 +232,10 @@ func TestResolveServersOncePerRound(t *testing.T) {
 		}
 	}))
 	_, cfg, _ := p.current()
-	got := p.resolveHosts(context.Background(), LoopLists, cfg, hostNames([]StickySession{{Server: gwName}, {Server: gwName}, {Server: "192.0.2.7"}, {Server: "other.example"}}, nil), nil)
-	if !slices.Equal(asked, []string{gwName, "other.example"}) || len(got) != 2 || !slices.Equal(got[gwName], []string{gwIP}) {
+	sessions := []StickySession{{Server: gwName}, {Server: gwName}, {Server: "192.0.2.7"}, {Server: "other.example"}}
+	lists := map[string][]Entry{"ppr-http": {{Host: gwName}, {Host: "list.example"}, {Host: "192.0.2.8"}}}
+	got := p.resolveHosts(context.Background(), LoopLists, cfg, hostNames(sessions, lists), nil)
+	if !slices.Equal(asked, []string{gwName, "other.example", "list.example"}) || len(got) != 3 || !slices.Equal(got[gwName], []string{gwIP}) {
 		t.Errorf("asked %v, got %v", asked, got)
 	}
 }
