@@ -382,16 +382,20 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) err
 			continue
 		}
 		var acc *acceptor
+		prev := old[lc.Name] // its connections count against lc's cap
 		if owner, ok := take[lc.Name]; ok {
 			acc = owner.acc
 			took = append(took, handover{acc: acc, owner: owner})
+			if prev == nil {
+				prev = owner // renamed on the same address
+			}
 		} else if ln, ok := sockets[lc.Name]; ok {
 			acc = newAcceptor(ln, d.log.With("listener", lc.Name))
-			delete(sockets, lc.Name) // the acceptor owns it now
 		}
-		if err := d.startListener(lc, acc, old[lc.Name]); err != nil {
-			return undo(err)
+		if err := d.startListener(lc, acc, prev); err != nil {
+			return undo(err) // a socket of its own stays in sockets: abandon closes it
 		}
+		delete(sockets, lc.Name) // the listener's acceptor owns it now
 		fresh = append(fresh, d.listeners[lc.Name])
 		started = append(started, lc.Name)
 	}
@@ -417,7 +421,7 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) err
 // reattach serves rl's config again on its own socket after a reload that
 // took the socket was undone; d.mu is held.
 func (d *daemon) reattach(rl *runningListener) {
-	if err := d.startListener(rl.cfg, rl.acc, nil); err != nil {
+	if err := d.startListener(rl.cfg, rl.acc, rl); err != nil {
 		d.log.Error("restoring a listener after a failed reload", "listener", rl.cfg.Name, "err", err)
 		return
 	}
