@@ -61,6 +61,10 @@ type PollConfig struct {
 	// dialed by name gets the IP the network-status lists name it by
 	// (UpstreamSpec.StatusIP). nil means net.DefaultResolver.LookupHost.
 	LookupHost func(ctx context.Context, host string) ([]string, error) `toml:"-"`
+	// Now is the poller's clock, for tests that must move it (a shrunken
+	// list is confirmed only by a poll an interval later); nil means
+	// time.Now. NewPoller reads it; Reconfigure keeps the clock it set.
+	Now func() time.Time `toml:"-"`
 }
 
 // DefaultPollConfig returns the [poll] section with every key at its
@@ -208,7 +212,11 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 	if onChange == nil {
 		onChange = func(Snapshot) {}
 	}
-	p := &Poller{client: c, cfg: cloneConfig(cfg), onChange: onChange, log: logger, now: time.Now,
+	now := cfg.Now
+	if now == nil {
+		now = time.Now
+	}
+	p := &Poller{client: c, cfg: cloneConfig(cfg), onChange: onChange, log: logger, now: now,
 		services: map[int]*ServiceState{}, pending: map[string]pendingList{}, lastGood: map[string]int{},
 		formats: map[string]string{}, manage: map[int]*manageState{}}
 	for i := range p.beats {

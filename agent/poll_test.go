@@ -1180,3 +1180,28 @@ func TestPollerClocksBounded(t *testing.T) {
 		t.Errorf("%d clocks after a provider change, want none", n)
 	}
 }
+
+// PollConfig.Now is the poller's clock: a test outside the package can
+// confirm a shrunken list by moving it an interval on.
+func TestPollerConfigNow(t *testing.T) {
+	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols, c.Now = []int{101}, []string{"http"}, clock.Now
+	}))
+	pollAll(t, p)
+	if got := p.Snapshot().Time; !got.Equal(clock.Now()) {
+		t.Errorf("snapshot time %v, want the configured clock's %v", got, clock.Now())
+	}
+	sim.SetEntries(101, "http-auth", nil)
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	clock.Advance(10 * time.Minute)
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]); n != 0 {
+		t.Errorf("%d entries: the configured clock did not confirm the empty list an ip_list later", n)
+	}
+}
