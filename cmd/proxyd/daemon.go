@@ -461,9 +461,18 @@ func (d *daemon) apply(agent.Snapshot) {
 		UnpaidInvoices: s.UnpaidInvoices, UnpaidUSD: s.UnpaidUSD,
 	}
 	for _, st := range s.Services {
-		if st.StatusKnown {
-			d.pool.SetProviderStatus(st.ID, st.Errored, st.Inactive)
-			d.status[st.ID] = savedStatus{Errored: st.Errored, Inactive: st.Inactive}
+		if st.ErroredKnown || st.InactiveKnown {
+			// Each list as soon as it is known (one endpoint failing must
+			// not hold back the other); the other as last known.
+			saved := d.status[st.ID]
+			if st.ErroredKnown {
+				saved.Errored = st.Errored
+			}
+			if st.InactiveKnown {
+				saved.Inactive = st.Inactive
+			}
+			d.pool.SetProviderStatus(st.ID, saved.Errored, saved.Inactive)
+			d.status[st.ID] = saved
 		}
 		if st.HasUsage {
 			d.pool.SetUsage(st.ID, st.Rate, st.Limit) // the pool weighs it against quota_headroom

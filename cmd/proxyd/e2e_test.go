@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -236,6 +237,35 @@ func grepLines(s, sub string) string {
 	return strings.Join(out, "\n")
 }
 
+// TestDaemonErroredListWhileInactiveFails: the provider's errored list is
+// applied as soon as it is fetched, even while its inactive list fails.
+func TestDaemonErroredListWhileInactiveFails(t *testing.T) {
+	w := newWorld(t)
+	front := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if strings.Contains(r.URL.Path, "/networkstatus/inactive/") {
+			http.Error(rw, `{"message":"down"}`, http.StatusServiceUnavailable)
+			return
+		}
+		w.sim.ServeHTTP(rw, r)
+	}))
+	defer front.Close()
+	bad := w.fprHTTP[0]
+	w.sim.MarkErrored(demoFPR, hostOf(bad.Addr()))
+	e := startDaemon(t, w, t.TempDir(), func(c *config) { c.API.BaseURL = front.URL })
+	e.waitReady()
+	if err := e.d.poller.PollOnce(context.Background(), agent.LoopStatus); err == nil || !strings.Contains(err.Error(), "inactive") {
+		t.Fatalf("a status poll with the inactive list failing: %v", err)
+	}
+	waitFor(t, "the errored upstream out of the pool", 5*time.Second, func() bool {
+		for _, u := range e.poolState().Upstreams {
+			if u.Address == bad.Addr() && u.Protocol == pool.HTTP {
+				return u.State == pool.ProviderError
+			}
+		}
+		return false
+	})
+}
+
 func TestDaemonErroredIPGetsNoConnections(t *testing.T) {
 	w := newWorld(t)
 	e := startDaemon(t, w, t.TempDir(), nil)
@@ -357,7 +387,8 @@ func TestDaemonRestartServesFromState(t *testing.T) {
 }
 
 // After a restart, a first IP list that comes back empty is not swapped in
-// before the next poll confirms it: the saved upstreams keep serving.
+// before a regular poll, an ip_list interval later, confirms it: the saved
+// upstreams keep serving.
 func TestDaemonRestartWithEmptyFirstList(t *testing.T) {
 	w := newWorld(t)
 	state := t.TempDir()
@@ -366,7 +397,17 @@ func TestDaemonRestartWithEmptyFirstList(t *testing.T) {
 	e.d.Close()
 
 	w.sim.SetEntries(demoFPR, "http-auth", nil)
-	e2 := startDaemon(t, w, state, nil)
+	var (
+		mu  sync.Mutex
+		off time.Duration // how far the poller's clock is ahead
+	)
+	e2 := startDaemon(t, w, state, func(c *config) {
+		c.Poll.Now = func() time.Time {
+			mu.Lock()
+			defer mu.Unlock()
+			return time.Now().Add(off)
+		}
+	})
 	e2.waitReady()
 	count := func() int {
 		n := 0
@@ -380,6 +421,13 @@ func TestDaemonRestartWithEmptyFirstList(t *testing.T) {
 	if n := count(); n != 3 {
 		t.Fatalf("%d fpr http upstreams after the first (empty) poll, want the 3 saved ones", n)
 	}
+	e2.pollOnce(agent.LoopLists) // asked again at once: not yet a confirmation
+	if n := count(); n != 3 {
+		t.Fatalf("%d fpr http upstreams after an immediate second poll, want the 3 saved ones", n)
+	}
+	mu.Lock()
+	off = e2.cfg.Poll.IPList // the next regular poll
+	mu.Unlock()
 	e2.pollOnce(agent.LoopLists) // the provider says it again: now it counts
 	waitFor(t, "the confirmed empty list", 5*time.Second, func() bool { return count() == 0 })
 }
