@@ -147,6 +147,7 @@ func TestConcurrentPickReportUpdateRotate(t *testing.T) {
 		wg.Wait()
 		cancel()
 		writers.Wait()
+		capHolds(t, p, "after the run")
 		if picked.Load() < workers*rounds/2 {
 			t.Errorf("only %d picks succeeded", picked.Load())
 		}

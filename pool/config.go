@@ -42,7 +42,12 @@ type Config struct {
 	// ejected at once, rounded down; an ejected upstream the provider
 	// excludes counts in neither. Past it a failing upstream stays in
 	// with its failures counted, and the slice is in panic mode rather
-	// than failing every client. 0 never ejects: every upstream that
+	// than failing every client. The share holds whatever the order of
+	// events: when ejected upstreams count again (off the provider's
+	// lists, back from draining) or the cap shrinks, the ejections that
+	// would end first end at once and those upstreams stay in the same
+	// way. A failure reported for an upstream the provider excludes is
+	// counted but does not eject it. 0 never ejects: every upstream that
 	// reaches FailureThreshold stays in, and its listeners show panic mode
 	// while it keeps failing.
 	MaxEjectedPercent int `toml:"max_ejected_percent"`

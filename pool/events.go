@@ -19,7 +19,7 @@ const (
 	EventAdded               EventKind = "added"                 // an upstream joined the set
 	EventRemoved             EventKind = "removed"               // it left the provider's lists
 	EventEjected             EventKind = "ejected"               // consecutive failures took it out; Reason is the failure class
-	EventReadmitted          EventKind = "readmitted"            // its trial connection succeeded
+	EventReadmitted          EventKind = "readmitted"            // its trial connection succeeded, or (Reason says so) the ejection cap ended its ejection early
 	EventProviderError       EventKind = "provider_error"        // on the provider's errored list
 	EventProviderInactive    EventKind = "provider_inactive"     // on the provider's inactive list
 	EventProviderOK          EventKind = "provider_ok"           // off both lists again

@@ -1,7 +1,9 @@
 package pool
 
 import (
+	"cmp"
 	"net"
+	"slices"
 	"sync/atomic"
 	"time"
 )
@@ -183,30 +185,30 @@ func (p *Pool) countFailure(h *host, r Result) {
 // eject takes h out of rotation unless that would put a listener slice
 // containing it past the ejection cap; then h stays in, held, and the slice
 // is in panic mode. An h that counts in no cap (draining, or excluded by
-// the provider: a late report) is ejected without touching the counts.
+// the provider: a late report of a connection picked before) is not
+// ejected: its failures are counted, and should it count again its next
+// failure is weighed against the cap like any other. Ejected there, it
+// would come back into the count past the cap.
 func (p *Pool) eject(h *host) {
 	p.ejectMu.Lock()
-	if h.ejectedUntil.Load() != 0 {
+	if h.ejectedUntil.Load() != 0 || !capped(h.flags.Load()) {
 		p.ejectMu.Unlock()
 		return
 	}
 	cfg := p.cfg.Load()
 	s := p.snap.Load()
 	u := h.cur.Load()
-	counted := capped(h.flags.Load())
-	if counted {
-		for _, sl := range s.slices {
-			if sl.matches(u) && sl.ejected.Load()+1 > ejectCap(cfg, sl) {
-				p.setHeld(s, h, u, true)
-				p.checkPanics(cfg, s, u)
-				p.ejectMu.Unlock()
-				return
-			}
+	for _, sl := range s.slices {
+		if sl.matches(u) && sl.ejected.Load()+1 > ejectCap(cfg, sl) {
+			p.setHeld(s, h, u, true)
+			p.checkPanics(cfg, s, u)
+			p.ejectMu.Unlock()
+			return
 		}
-		for _, sl := range s.slices {
-			if sl.matches(u) {
-				sl.ejected.Add(1)
-			}
+	}
+	for _, sl := range s.slices {
+		if sl.matches(u) {
+			sl.ejected.Add(1)
 		}
 	}
 	now := p.now().UnixNano()
@@ -214,14 +216,54 @@ func (p *Pool) eject(h *host) {
 	h.trial.Store(false)
 	h.ejectedUntil.Store(now + int64(p.ejectDuration(cfg, int(k))))
 	h.ejections.Add(1)
-	if counted {
-		p.setHeld(s, h, u, false)
-		p.checkPanics(cfg, s, u)
-	} else {
-		h.held.Store(false)
-	}
+	p.setHeld(s, h, u, false)
+	p.checkPanics(cfg, s, u)
 	p.ejectMu.Unlock()
 	p.ejected(h, u)
+}
+
+// fitCaps ends the ejections that no longer fit under the caps of s,
+// whose figures count has just counted; it returns their hosts. The caller
+// holds p.ejectMu. A slice's count grows past its cap without an ejection
+// when ejected members count again (off the provider's lists, back from
+// draining) or when the cap shrinks (its base shrinks, or a reload lowers
+// MaxEjectedPercent). Past the cap, failing upstreams stay in with their
+// failures counted and the slice is in panic mode, whatever the order in
+// which that came about: so the ejections that would end first (a probing
+// member's has ended already) end now, and their upstreams are held, as if
+// the cap had refused them. Their failure counts and ejection history stay.
+func (p *Pool) fitCaps(cfg *Config, s *snapshot) []*host {
+	var ended []*host
+	for _, sl := range s.slices {
+		over := sl.ejected.Load() - ejectCap(cfg, sl)
+		if over <= 0 {
+			continue
+		}
+		type out struct {
+			h     *host
+			until int64
+		}
+		var outs []out
+		for _, h := range sl.members {
+			if until := h.ejectedUntil.Load(); until != 0 && capped(h.flags.Load()) {
+				outs = append(outs, out{h, until})
+			}
+		}
+		slices.SortStableFunc(outs, func(a, b out) int { return cmp.Compare(a.until, b.until) })
+		for _, o := range outs[:min(over, int64(len(outs)))] {
+			h, u := o.h, o.h.cur.Load()
+			h.ejectedUntil.Store(0)
+			h.trial.Store(false)
+			for _, t := range s.slices {
+				if t.matches(u) {
+					t.ejected.Add(-1)
+				}
+			}
+			p.setHeld(s, h, u, true)
+			ended = append(ended, h)
+		}
+	}
+	return ended
 }
 
 // ejectCap is how many members of sl may be ejected at once.

@@ -332,6 +332,211 @@ func TestProviderExcludedUpstreamsLeaveTheEjectionCap(t *testing.T) {
 	}
 }
 
+// capHolds checks the ejection cap on every slice of p: no more of its
+// usable members are out by ejection (ejected or probing) than
+// max_ejected_percent allows, its running figures agree with a recount,
+// and it is in panic mode exactly when a failing member is held at the cap.
+func capHolds(t *testing.T, p *Pool, when string) {
+	t.Helper()
+	p.ejectMu.Lock()
+	defer p.ejectMu.Unlock()
+	cfg, s := p.cfg.Load(), p.snap.Load()
+	for _, sl := range s.slices {
+		var eligible, ejected, held int64
+		for _, h := range sl.members {
+			if !capped(h.flags.Load()) {
+				continue
+			}
+			eligible++
+			if h.ejectedUntil.Load() != 0 {
+				ejected++
+			}
+			if h.held.Load() {
+				held++
+			}
+		}
+		limit := int64(cfg.MaxEjectedPercent) * eligible / 100
+		if ejected > limit {
+			t.Errorf("%s: %s has %d of %d usable upstreams out by ejection, cap %d", when, sl.Name, ejected, eligible, limit)
+		}
+		if sl.eligible.Load() != eligible || sl.ejected.Load() != ejected || sl.held.Load() != held {
+			t.Errorf("%s: %s counts eligible %d ejected %d held %d, a recount %d %d %d", when, sl.Name,
+				sl.eligible.Load(), sl.ejected.Load(), sl.held.Load(), eligible, ejected, held)
+		}
+		if panic := held > 0 && ejected >= limit; sl.panic.Load() != panic {
+			t.Errorf("%s: %s panic %v with %d ejected (cap %d) and %d held", when, sl.Name, sl.panic.Load(), ejected, limit, held)
+		}
+	}
+}
+
+// The ejection cap holds however the count got there: when ejected
+// upstreams come back into it (off the provider's lists, back from
+// draining) or the cap shrinks (a member listed, a lower
+// max_ejected_percent), the ejections that would end first end at once and
+// their upstreams stay in, held, with the listener in panic mode. The
+// first case is a regression of counting only unlisted upstreams in the
+// cap: ejections made while others were listed added up past it.
+func TestEjectionCapHoldsInEveryOrder(t *testing.T) {
+	const keptIn = "ejection ended early: past max_ejected_percent, kept in"
+	setup := func(t *testing.T, n int) (*clock, *Pool, *EventLog, []Upstream, []*Upstream) {
+		clk := newClock()
+		events := NewEventLog(0, nil, clk.Now)
+		p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rand: midRand, Events: events})
+		p.SetListeners([]ListenerSlice{{Name: "l"}})
+		set := ups(1, n)
+		p.Update(set)
+		var hs []*Upstream
+		for _, u := range set {
+			hs = append(hs, handle(p, u))
+		}
+		return clk, p, events, set, hs
+	}
+	countState := func(p *Pool, st State) int {
+		n := 0
+		for _, u := range p.Explain().Upstreams {
+			if u.State == st {
+				n++
+			}
+		}
+		return n
+	}
+	// heldIn checks that u's ejection ended and it is in, held, failing.
+	heldIn := func(t *testing.T, p *Pool, u *Upstream) {
+		t.Helper()
+		s := stateOf(t, p, u.ID())
+		if s.State != Healthy || s.EjectedUntil != nil || s.ConsecutiveFailures < 3 || s.Ejections != 1 ||
+			s.Reason != "failing, kept in by the ejection cap: dial_refused" {
+			t.Errorf("%s after its ejection was ended early: %+v", u.ID(), s)
+		}
+	}
+
+	t.Run("ejected upstreams come off the provider's list", func(t *testing.T) {
+		_, p, events, _, hs := setup(t, 6)
+		fail(p, hs[0], 3)
+		fail(p, hs[1], 3)
+		fail(p, hs[2], 3) // 3 of 6 ejected: the cap
+		// The provider confirms a, b, c: base 3, cap 1, none counted.
+		p.SetProviderStatus(1, []string{"10.1.0.0", "10.1.0.1", "10.1.0.2"}, nil)
+		capHolds(t, p, "a, b, c listed")
+		fail(p, hs[3], 3) // d is ejected
+		capHolds(t, p, "d ejected")
+		// The provider's next poll clears a, b, c while they are ejected:
+		// 4 would be out of 6. a's ejection (the first to end; all end
+		// together here, and a comes first) ends.
+		p.SetProviderStatus(1, nil, nil)
+		capHolds(t, p, "a, b, c off the list")
+		if n := countState(p, Ejected); n != 3 {
+			t.Errorf("%d of 6 ejected, cap 3", n)
+		}
+		heldIn(t, p, hs[0])
+		if l := listenerOf(t, p, "l"); !l.Panic || l.Usable != 3 {
+			t.Errorf("a held at the cap: %+v, want panic", l)
+		}
+		wantEvents(t, events, EventReadmitted, Event{Kind: EventReadmitted, Upstream: hs[0].ID(), Service: 1, Reason: keptIn})
+		wantEvents(t, events, EventPanic, Event{Kind: EventPanic, Reason: "l"})
+		// a works: the panic is over; it fails again: held, no room.
+		p.Report(hs[0], Success, time.Millisecond)
+		if l := listenerOf(t, p, "l"); l.Panic {
+			t.Errorf("a recovered: %+v", l)
+		}
+		fail(p, hs[0], 3)
+		capHolds(t, p, "a failing again")
+		if s := stateOf(t, p, hs[0].ID()); s.State != Healthy {
+			t.Errorf("a at a full cap: %s", s.State)
+		}
+	})
+
+	t.Run("the cap shrinks as a member is listed", func(t *testing.T) {
+		clk, p, _, _, hs := setup(t, 6)
+		fail(p, hs[0], 3)
+		clk.Advance(time.Second)
+		fail(p, hs[1], 3)
+		fail(p, hs[2], 3)
+		p.SetProviderStatus(1, []string{"10.1.0.5"}, nil) // base 5, cap 2
+		capHolds(t, p, "f listed")
+		heldIn(t, p, hs[0]) // the first ejected ends first
+		if n := countState(p, Ejected); n != 2 {
+			t.Errorf("%d ejected, cap 2", n)
+		}
+	})
+
+	t.Run("a reload lowers max_ejected_percent", func(t *testing.T) {
+		clk, p, _, _, hs := setup(t, 6)
+		fail(p, hs[2], 3)
+		clk.Advance(time.Second)
+		fail(p, hs[1], 3)
+		clk.Advance(time.Second)
+		fail(p, hs[0], 3)
+		if err := p.SetConfig(conf(func(c *Config) { c.MaxEjectedPercent = 20 })); err != nil { // cap 1
+			t.Fatal(err)
+		}
+		capHolds(t, p, "cap lowered")
+		heldIn(t, p, hs[2])
+		heldIn(t, p, hs[1])
+		if s := stateOf(t, p, hs[0].ID()); s.State != Ejected {
+			t.Errorf("the last ejected: %s", s.State)
+		}
+	})
+
+	t.Run("an ejected upstream comes back from draining", func(t *testing.T) {
+		_, p, _, set, hs := setup(t, 7)
+		fail(p, hs[0], 3)
+		fail(p, hs[1], 3)
+		fail(p, hs[2], 3)       // 3 of 7 ejected: the cap
+		hs[0].h.inFlight.Add(1) // a connection through a, picked before
+		p.Update(set[1:])       // a drains: base 6, cap 3, b and c ejected
+		fail(p, hs[3], 3)       // d is ejected
+		capHolds(t, p, "a draining, d ejected")
+		p.Update(set) // a is back, still ejected: 4 of 7
+		capHolds(t, p, "a back")
+		if n := countState(p, Ejected); n != 3 {
+			t.Errorf("%d of 7 ejected, cap 3", n)
+		}
+		heldIn(t, p, hs[0])
+		p.Release(hs[0])
+	})
+}
+
+// A failure reported late, by a connection picked before the provider
+// listed its upstream, counts (in /pool and the Failure hook) but does not
+// eject: the upstream counts in no cap while listed, and ejected there it
+// would come back into the count past the cap.
+func TestLateFailureOfExcludedUpstreamDoesNotEject(t *testing.T) {
+	clk := newClock()
+	var hooked []Result
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rand: midRand,
+		Hooks: Hooks{Failure: func(_ int, r Result) { hooked = append(hooked, r) }}})
+	p.SetListeners([]ListenerSlice{{Name: "l"}})
+	set := ups(1, 6)
+	p.Update(set)
+	a, b, c, d := handle(p, set[0]), handle(p, set[1]), handle(p, set[2]), handle(p, set[3])
+	fail(p, a, 3)
+	fail(p, b, 3)
+	c.h.inFlight.Add(3) // three connections through c, then the provider lists it
+	p.SetProviderStatus(1, []string{"10.1.0.2"}, nil)
+	for range 3 {
+		p.Report(c, DialRefused, time.Millisecond)
+		p.Release(c)
+	}
+	s := stateOf(t, p, c.ID())
+	if s.State != ProviderError || s.Failures != 3 || s.ConsecutiveFailures != 3 || s.Ejections != 0 || len(hooked) != 9 {
+		t.Errorf("c after late failures while listed: %+v; Failure hook told %d", s, len(hooked))
+	}
+	capHolds(t, p, "c listed")
+	p.SetProviderStatus(1, nil, nil)
+	capHolds(t, p, "c off the list")
+	if s := stateOf(t, p, c.ID()); s.State != Healthy || s.Ejections != 0 {
+		t.Errorf("c off the list: %+v", s)
+	}
+	fail(p, d, 3) // 3 of 6: the cap
+	// c's next failure is weighed against the cap: held, panic.
+	fail(p, c, 1)
+	capHolds(t, p, "c failing again")
+	if s, l := stateOf(t, p, c.ID()), listenerOf(t, p, "l"); s.State != Healthy || s.Ejections != 0 || !l.Panic {
+		t.Errorf("c failing at a full cap: %+v, listener %+v", s, l)
+	}
+}
+
 func TestSingleUpstreamNeverEjected(t *testing.T) {
 	p := newTestPool(t, DefaultConfig(), Options{Now: newClock().Now})
 	p.Update(ups(1, 1))

@@ -166,7 +166,10 @@ func (p *Pool) notifyChanged() {
 // sticky limits (a smaller sticky_max evicts the least recently used keys;
 // 0 drops them all) and the rotation and probe options all take effect;
 // upstreams keep their health state, ejections and sticky assignments. An
-// ejection under way keeps the end it was given. A bad cfg changes nothing.
+// ejection under way keeps the end it was given, unless a lower
+// max_ejected_percent leaves no room for it: then it ends at once and its
+// upstream stays in, failing (see MaxEjectedPercent). A bad cfg changes
+// nothing.
 // Safe to call while picks, reports and releases run.
 func (p *Pool) SetConfig(cfg Config) error {
 	if err := cfg.Validate(); err != nil {
@@ -240,9 +243,9 @@ func (p *Pool) build(hosts []*host, byID map[string]*host, updated time.Time) *s
 }
 
 // publish counts the per-slice figures of s from its hosts' state and makes
-// it current; a listener whose panic mode starts or ends with it (its
-// members, or the ejection cap, changed) gets an event. The caller holds
-// p.mu.
+// it current; ejections that no longer fit under a cap end (see fitCaps),
+// and a listener whose panic mode starts or ends with it (its members, or
+// the ejection cap, changed) gets an event. The caller holds p.mu.
 func (p *Pool) publish(s *snapshot) {
 	p.ejectMu.Lock()
 	defer p.ejectMu.Unlock()
@@ -254,7 +257,14 @@ func (p *Pool) publish(s *snapshot) {
 			sl.panic.Store(o.panic.Load()) // the listener's mode so far
 		}
 	}
+	ended := p.fitCaps(cfg, s)
 	p.snap.Store(s)
+	for _, h := range ended {
+		p.record(EventReadmitted, h.id, h.cur.Load().Service, "ejection ended early: past max_ejected_percent, kept in")
+	}
+	if len(ended) > 0 {
+		p.notifyChanged()
+	}
 	for _, sl := range s.slices {
 		p.checkPanic(cfg, s, sl)
 	}
