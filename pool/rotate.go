@@ -45,9 +45,22 @@ func (h *host) rotation() *rotation {
 	return nil
 }
 
+// syncRotating sets h's rotating bit from its session's rotation: the one
+// rule for the bit, which linkSession and both ends of a rotation apply.
+// The caller holds Pool.mu, under which a rotation starts and ends.
+func (h *host) syncRotating() {
+	var f uint32
+	if h.rotation() != nil {
+		f = fRotating
+	}
+	h.setFlags(fRotating, f)
+}
+
 // linkSession links h, an upstream of the set Update gen makes, to the
 // session it stands for, shared with the session's other upstreams; its
-// rotating mark follows its session's rotation. The caller holds p.mu.
+// rotating bit follows its session's rotation, whatever it was (an
+// upstream back from draining may carry the bit of a rotation that ended
+// while it was out). The caller holds p.mu.
 func (p *Pool) linkSession(h *host, gen uint64) {
 	u := h.cur.Load()
 	var s *session
@@ -67,15 +80,10 @@ func (p *Pool) linkSession(h *host, gen uint64) {
 		}
 		s.hosts = append(s.hosts, h)
 	}
-	if h.sess.Load() == s {
-		return
+	if h.sess.Load() != s {
+		h.sess.Store(s)
 	}
-	h.sess.Store(s)
-	var f uint32
-	if s != nil && s.rot.Load() != nil {
-		f = fRotating
-	}
-	h.setFlags(fRotating, f)
+	h.syncRotating()
 }
 
 // dropSessions forgets the sessions that Update gen did not link; their
@@ -158,12 +166,20 @@ func (p *Pool) rotated(service int, result string) {
 }
 
 // rotate runs one rotation of s, which h (whose upstream is u) asked for;
-// Run waits for it.
+// Run waits for it. The session's upstreams are rotating while it runs:
+// those of the set, and h, as it starts; those linked meanwhile, by
+// linkSession. As it ends, every one of them marked at its start and every
+// one of the set gets its bit back from its session (see syncRotating),
+// whether it is still in the set, draining or linked elsewhere by now.
 func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 	defer p.rotWG.Done()
 	p.mu.Lock()
-	for _, t := range s.hosts {
-		t.setFlags(fRotating, fRotating)
+	marked := slices.Clone(s.hosts)
+	if !slices.Contains(marked, h) {
+		marked = append(marked, h)
+	}
+	for _, t := range marked {
+		t.syncRotating()
 	}
 	p.mu.Unlock()
 	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.Load().RotateTimeout)
@@ -208,13 +224,13 @@ func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 		p.log.Debug("rotated sticky session", "id", h.id, "exit_ip", exitIP)
 	}
 	p.mu.Lock()
-	for _, t := range s.hosts {
-		t.setFlags(fRotating, 0)
-	}
-	if c := h.sess.Load(); c == s || c == nil || c.rot.Load() == nil {
-		h.setFlags(fRotating, 0) // draining, or linked elsewhere since it asked
-	}
 	s.rot.Store(nil)
+	for _, t := range marked {
+		t.syncRotating()
+	}
+	for _, t := range s.hosts {
+		t.syncRotating()
+	}
 	p.mu.Unlock()
 	close(r.done)
 	kind := EventRotationFailed

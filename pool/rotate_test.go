@@ -446,3 +446,68 @@ func TestRotationIsPerSession(t *testing.T) {
 		Event{Kind: EventRotated, Upstream: s0s.ID(), Service: 7, Reason: "ok"},
 		Event{Kind: EventRotated, Upstream: s0h.ID(), Service: 7, Reason: "ok"})
 }
+
+// blockingRotator returns a rotator whose calls report on its seen channel
+// and answer exitIP once release gives them leave.
+func blockingRotator(exitIP string) (*fakeRotator, chan struct{}) {
+	release := make(chan struct{})
+	rot := &fakeRotator{seen: make(chan string, 10), fn: func(ctx context.Context, _ string) (string, error) {
+		select {
+		case <-release:
+			return exitIP, nil
+		case <-ctx.Done():
+			return "", ctx.Err()
+		}
+	}}
+	return rot, release
+}
+
+// An upstream's rotating bit mirrors its session's rotation, however it
+// came and went while the rotation ran: a twin that drained during the
+// rotation and comes back after it is not rotating any more, whether it
+// was marked when the rotation started or linked to it meanwhile.
+func TestRevivedTwinLeavesRotatingWithItsSession(t *testing.T) {
+	for _, joins := range []string{"at the start", "during the rotation"} {
+		t.Run("twin marked "+joins, func(t *testing.T) {
+			clk := newClock()
+			rot, release := blockingRotator("203.0.113.77")
+			var rs rotations
+			p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+			set := twins(sessions(7, 2, "198.51.100.1"))
+			s0h, s0s := set[0], set[1]
+			without := slices.Delete(slices.Clone(set), 1, 2)
+			if joins == "at the start" {
+				p.Update(set)
+			} else {
+				p.Update(without)
+			}
+			fail(p, handle(p, s0h), 1)
+			<-rot.seen // the rotation has marked the session's upstreams
+			if joins != "at the start" {
+				p.Update(set) // the twin joins, rotating
+			}
+			if s := stateOf(t, p, s0s.ID()); s.State != Rotating {
+				t.Fatalf("twin while its session rotates: %s", s.State)
+			}
+			tunnel := handle(p, s0s)
+			tunnel.h.inFlight.Add(1) // a long tunnel through the twin
+			p.Update(without)        // the twin drains
+			release <- struct{}{}
+			waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
+			p.Update(set) // and is back
+			if s := stateOf(t, p, s0s.ID()); s.State != Healthy {
+				t.Errorf("twin back after its session's rotation ended: %+v", s)
+			}
+			seen := false
+			for range 4 {
+				if u := pickReport(t, p, Request{}, Success); u.ID() == s0s.ID() {
+					seen = true
+				}
+			}
+			if !seen {
+				t.Errorf("%s never picked again", s0s.ID())
+			}
+			p.Release(tunnel)
+		})
+	}
+}
