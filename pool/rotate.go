@@ -193,9 +193,14 @@ func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 		result = "error"
 	}
 	p.mu.Lock()
+	// The news is for the session's upstreams in the set, and for the
+	// asking one if it left the set since and still drains (connections
+	// in flight): once per upstream ID, so not once it is forgotten or
+	// when its ID came back meanwhile as another host of the session.
 	hosts := slices.Clone(s.hosts)
-	if h.sess.Load() == s && !slices.Contains(hosts, h) {
-		hosts = append(hosts, h) // draining
+	if h.sess.Load() == s && p.draining[h.id] == h &&
+		!slices.ContainsFunc(hosts, func(t *host) bool { return t.id == h.id }) {
+		hosts = append(hosts, h)
 	}
 	if err == nil {
 		for _, t := range hosts {

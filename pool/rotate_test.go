@@ -511,3 +511,46 @@ func TestRevivedTwinLeavesRotatingWithItsSession(t *testing.T) {
 		})
 	}
 }
+
+// A rotation's event is recorded once per upstream ID: the asking upstream
+// leaves the set during the rotation (nothing in flight: forgotten at once)
+// and its ID comes back before the answer as a new upstream of the same
+// session, which gets the event; the forgotten one gets none. One that
+// still drains gets its own.
+func TestRotatedEventOncePerUpstreamID(t *testing.T) {
+	for _, inFlight := range []bool{false, true} {
+		t.Run(fmt.Sprintf("in flight %v", inFlight), func(t *testing.T) {
+			clk := newClock()
+			rot, release := blockingRotator("203.0.113.77")
+			var rs rotations
+			events := NewEventLog(0, nil, clk.Now)
+			p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rotator: rot, Events: events, Hooks: Hooks{Rotated: rs.hook}})
+			set := twins(sessions(7, 2, "198.51.100.1"))
+			p.Update(set)
+			s0h, s0s := set[0], set[1]
+			asking := handle(p, s0h)
+			if inFlight {
+				asking.h.inFlight.Add(1)
+			}
+			fail(p, asking, 1)
+			<-rot.seen
+			p.Update(slices.Delete(slices.Clone(set), 0, 1)) // s0h leaves
+			h0 := Event{Kind: EventRotated, Upstream: s0h.ID(), Service: 7, Reason: "ok"}
+			s0 := Event{Kind: EventRotated, Upstream: s0s.ID(), Service: 7, Reason: "ok"}
+			want := []Event{h0, s0} // newest first: the draining asker comes after the set
+			if !inFlight {
+				p.Update(set) // s0h is back, a new upstream of the session
+				want = []Event{s0, h0}
+			}
+			release <- struct{}{}
+			waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
+			wantEvents(t, events, EventRotated, want...)
+			if inFlight {
+				if got := asking.h.cur.Load().ExitIP; got != "203.0.113.77" {
+					t.Errorf("draining asker's exit ip %s", got)
+				}
+				p.Release(asking)
+			}
+		})
+	}
+}
