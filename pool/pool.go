@@ -38,6 +38,7 @@ type Pool struct {
 	draining  map[string]*host        // removed upstreams with connections in flight
 	gen       uint64                  // the last Update, for host.mark
 	sessions  map[sessionKey]*session // ppr sticky sessions of the current set, each shared by its upstreams
+	resting   map[sessionKey]*session // sessions out of the set whose rotation limit still runs (see dropSessions)
 	linked    int                     // sessions the Update under way linked so far
 
 	ejectMu sync.Mutex // ejection and re-admission against the per-slice counters
@@ -104,6 +105,7 @@ func New(cfg Config, opts Options) (*Pool, error) {
 		quota:    map[int]bool{},
 		draining: map[string]*host{},
 		sessions: map[sessionKey]*session{},
+		resting:  map[sessionKey]*session{},
 		changed:  make(chan struct{}, 1),
 		reconfig: make(chan struct{}, 1),
 	}

@@ -67,8 +67,13 @@ func (p *Pool) linkSession(h *host, gen uint64) {
 	if u.Kind == PPR && u.Session != "" {
 		k := sessionKey{u.Service, u.Server, u.Session}
 		if s = p.sessions[k]; s == nil {
-			if old := h.sess.Load(); old != nil && old.key == k {
-				s = old // back from draining, with its rotation history
+			// Back in the set, the session keeps its rotation history:
+			// the latest object of k is the one resting, if any, else
+			// the one its upstream had before it drained.
+			if s = p.resting[k]; s != nil {
+				delete(p.resting, k)
+			} else if old := h.sess.Load(); old != nil && old.key == k {
+				s = old
 			} else {
 				s = &session{key: k}
 			}
@@ -86,9 +91,22 @@ func (p *Pool) linkSession(h *host, gen uint64) {
 	h.syncRotating()
 }
 
-// dropSessions forgets the sessions that Update gen did not link; their
-// draining upstreams keep theirs while in flight. The caller holds p.mu.
+// restingMax bounds the sessions kept out of the set for their rotation
+// limit (a few hundred bytes each); past it only those whose rotation is
+// under way are kept.
+const restingMax = 4096
+
+// dropSessions takes out of the set the sessions that Update gen did not
+// link; their draining upstreams keep theirs while in flight. A session
+// whose rotation is under way, or whose last rotation was less than
+// RotateInterval ago, is kept aside (resting) for as long as that lasts,
+// so that back in a later refresh it is the same session: a provider
+// list that misses it for one poll does not lift its limit of one
+// rotation at a time and one per interval. Those whose time has passed are
+// forgotten. The caller holds p.mu.
 func (p *Pool) dropSessions(gen uint64) {
+	now, interval := p.now().UnixNano(), int64(p.cfg.Load().RotateInterval)
+	p.pruneResting(now, interval)
 	if p.linked == len(p.sessions) {
 		return
 	}
@@ -96,6 +114,26 @@ func (p *Pool) dropSessions(gen uint64) {
 		if s.mark != gen {
 			s.hosts = nil
 			delete(p.sessions, k)
+			if s.rot.Load() != nil || (s.limited(now, interval) && len(p.resting) < restingMax) {
+				p.resting[k] = s
+			}
+		}
+	}
+}
+
+// limited reports whether s's last rotation request is less than interval
+// before now.
+func (s *session) limited(now, interval int64) bool {
+	last := s.lastRotate.Load()
+	return last != 0 && now-last < interval
+}
+
+// pruneResting forgets the resting sessions whose rotation has ended and
+// whose interval has passed; the caller holds p.mu.
+func (p *Pool) pruneResting(now, interval int64) {
+	for k, s := range p.resting {
+		if s.rot.Load() == nil && !s.limited(now, interval) {
+			delete(p.resting, k)
 		}
 	}
 }

@@ -554,3 +554,93 @@ func TestRotatedEventOncePerUpstreamID(t *testing.T) {
 		})
 	}
 }
+
+// A session that one refresh misses and the next lists again is the same
+// session: its rotation under way goes on (no second one starts), and its
+// rotate_interval still holds it back. Only past the interval is it
+// forgotten while out of the set.
+func TestSessionKeepsItsRotationLimitAcrossARefreshWithoutIt(t *testing.T) {
+	clk := newClock()
+	rot, release := blockingRotator("203.0.113.77")
+	var rs rotations
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+	set := sessions(7, 2, "198.51.100.1")
+	set[1].Address = "198.51.100.1:9001"
+	p.Update(set)
+	fail(p, handle(p, set[0]), 1)
+	<-rot.seen
+	r := rotationOf(handle(p, set[0]))
+	missed := func() { // one poll without s0, the next with it
+		p.Update(set[1:])
+		p.Update(set)
+	}
+	resting := func() int {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return len(p.resting)
+	}
+
+	missed()
+	u := handle(p, set[0])
+	if got := rotationOf(u); got != r {
+		t.Fatalf("back after a missed poll, s0's rotation is %p, want the one under way %p", got, r)
+	}
+	if s := stateOf(t, p, u.ID()); s.State != Rotating {
+		t.Errorf("s0 back while its rotation runs: %s", s.State)
+	}
+	fail(p, u, 1) // no second rotation while the first runs
+	if got := rotationOf(u); got != r {
+		t.Errorf("a failure started another rotation of s0")
+	}
+	release <- struct{}{}
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
+
+	missed()
+	fail(p, handle(p, set[0]), 1) // within rotate_interval: held back
+	if got := rs.get(); !slices.Equal(got, []string{"ok", "rate_limited"}) {
+		t.Errorf("rotation results %v, want ok, rate_limited", got)
+	}
+
+	clk.Advance(DefaultConfig().RotateInterval)
+	p.Update(set[1:])
+	if n := resting(); n != 0 {
+		t.Errorf("%d sessions kept past their rotate_interval", n)
+	}
+	p.Update(set)
+	fail(p, handle(p, set[0]), 1)
+	<-rot.seen // rotated again
+	release <- struct{}{}
+	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 3 })
+	if n := rot.count(); n != 2 {
+		t.Errorf("%d sticky/rotate calls, want 2", n)
+	}
+}
+
+// The sessions kept aside for their rotation limit are bounded: past
+// restingMax, only those whose rotation is under way are kept.
+func TestRestingSessionsBounded(t *testing.T) {
+	clk := newClock()
+	rot, release := blockingRotator("203.0.113.77")
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rotator: rot})
+	set := sessions(7, restingMax+10, "198.51.100.1")
+	p.Update(set)
+	last := handle(p, set[len(set)-1])
+	p.mu.Lock()
+	for _, s := range p.sessions {
+		if s != last.h.sess.Load() {
+			s.lastRotate.Store(clk.Now().UnixNano()) // rotated a moment ago
+		}
+	}
+	p.mu.Unlock()
+	fail(p, last, 1)
+	<-rot.seen
+	p.Update(nil)
+	p.mu.Lock()
+	n, kept := len(p.resting), p.resting[last.h.sess.Load().key] != nil
+	p.mu.Unlock()
+	// The rotating one counts in the bound if it came first, else on top.
+	if n < restingMax || n > restingMax+1 || !kept {
+		t.Errorf("%d sessions resting (the rotating one kept: %v), want %d and the rotating one", n, kept, restingMax)
+	}
+	close(release)
+}

@@ -81,15 +81,18 @@ func sweepEvery(idle time.Duration) time.Duration {
 	return min(max(idle/4, time.Second), time.Minute)
 }
 
-// sweep drops idle sticky keys and drained upstreams.
+// sweep drops idle sticky keys, drained upstreams and resting sessions
+// whose rotation limit has passed.
 func (p *Pool) sweep() {
 	now := p.now().UnixNano()
-	idle := int64(p.cfg.Load().StickyIdle)
+	cfg := p.cfg.Load()
+	idle := int64(cfg.StickyIdle)
 	for i := range p.sticky.shards {
 		p.sticky.shards[i].expire(now, idle)
 	}
 	p.mu.Lock()
 	p.pruneDraining()
+	p.pruneResting(now, int64(cfg.RotateInterval))
 	p.mu.Unlock()
 }
 
