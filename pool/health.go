@@ -156,6 +156,11 @@ func (p *Pool) succeeded(h *host) {
 	}
 }
 
+// failed is the rule for a failure of h itself, reported by a connection
+// (Report) or by an active probe: counted, one more consecutive failure,
+// a rotation asked for if h stands for a ppr sticky session, and then
+// ejection at the threshold, or a new ejection when the failure was the
+// trial of a probing h (a connection or a probe holding its trial claim).
 func (p *Pool) failed(h *host, r Result) {
 	p.countFailure(h, r)
 	c := h.consec.Add(1)
@@ -171,8 +176,8 @@ func (p *Pool) failed(h *host, r Result) {
 	}
 }
 
-// countFailure records a failure of h itself, reported by a connection or
-// by a probe: its reason, the failures /pool shows and the Failure hook
+// countFailure records a failure of h itself for failed: its reason, the
+// failures /pool shows and the Failure hook
 // (proxyd_upstream_failures_total), which must agree.
 func (p *Pool) countFailure(h *host, r Result) {
 	h.reason.Store(uint32(r))

@@ -2,6 +2,7 @@ package pool
 
 import (
 	"context"
+	"errors"
 	"math"
 	"sync"
 	"sync/atomic"
@@ -807,5 +808,65 @@ func TestPanicIsPerSlice(t *testing.T) {
 	}
 	if l := listenerOf(t, p, "all"); l.Panic {
 		t.Errorf("all: %+v, want no panic (1 of 10 ejected)", l)
+	}
+}
+
+// A failed probe takes a connection failure's path: besides the count
+// and the Failure hook, one more consecutive failure, and for a ppr sticky
+// session a rotation request; past the ejection it was the trial, so the
+// upstream is ejected again. Before its ejection ends, it is counted but
+// the ejection keeps its end, and the upstream can still be tried.
+func TestFailedProbeTakesTheConnectionFailurePath(t *testing.T) {
+	clk := newClock()
+	var hooked atomic.Int64
+	rot := &fakeRotator{seen: make(chan string, 10), fn: func(context.Context, string) (string, error) {
+		return "", errors.New("502 from the api") // no new exit ip: the session stays failing
+	}}
+	var rs rotations
+	prober := proberFunc(func(context.Context, *Upstream) Result { return HandshakeTimeout })
+	p, err := New(conf(func(c *Config) { c.MaxEjectedPercent = 100; c.ProbeInterval = time.Hour }), Options{
+		Now: clk.Now, Rand: midRand, Prober: prober, Rotator: rot,
+		Hooks: Hooks{Failure: func(int, Result) { hooked.Add(1) }, Rotated: rs.hook},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.stopRotations()
+	set := sessions(7, 2, "198.51.100.1")
+	set[1].Address = "198.51.100.1:9001"
+	p.Update(set)
+	u := handle(p, set[0])
+	fail(p, u, 1) // asks for a rotation, which fails
+	<-rot.seen
+	waitFor(t, "the first rotation", func() bool { return len(rs.get()) == 1 })
+	fail(p, u, 2) // held back by the interval; the third failure ejects
+	if s := stateOf(t, p, u.ID()); s.State != Ejected || s.ConsecutiveFailures != 3 {
+		t.Fatalf("after three failures: %+v", s)
+	}
+
+	p.probeOnce(context.Background()) // within the ejection
+	s := stateOf(t, p, u.ID())
+	if s.State != Ejected || s.Failures != 4 || s.ConsecutiveFailures != 4 || s.Ejections != 1 || hooked.Load() != 4 {
+		t.Errorf("after a failed probe within the ejection: %+v, Failure hook told %d", s, hooked.Load())
+	}
+	if u.h.trial.Load() {
+		t.Errorf("the failed probe kept the trial claim")
+	}
+	if got := rs.get(); len(got) != 4 || got[3] != "rate_limited" {
+		t.Errorf("rotation results %v: the probe's failure asks for a rotation, held back by the interval", got)
+	}
+
+	clk.Advance(time.Minute) // the ejection and the rotate interval are over
+	p.probeOnce(context.Background())
+	if last := u.h.sess.Load().lastRotate.Load(); last != clk.Now().UnixNano() {
+		t.Fatalf("the failed trial probe asked for no rotation of its session")
+	}
+	if got := <-rot.seen; got != "s0" {
+		t.Errorf("rotated %s", got)
+	}
+	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 5 })
+	s = stateOf(t, p, u.ID())
+	if s.State != Ejected || s.Failures != 5 || s.ConsecutiveFailures != 5 || s.Ejections != 2 || hooked.Load() != 5 {
+		t.Errorf("after a failed probe as the trial: %+v, Failure hook told %d", s, hooked.Load())
 	}
 }

@@ -98,8 +98,10 @@ func (p *Pool) sweep() {
 
 // probeOnce probes ejected upstreams, as many as the minute's budget allows,
 // continuing where the last round stopped, each bounded by ProbeTimeout. A
-// success re-admits the upstream. Run calls it on a goroutine of its own,
-// never two at once: the probe cursor and budget are the round's.
+// success re-admits the upstream; a failure of the upstream is one like a
+// connection's (see failed), and past the ejection the probe is the trial
+// that decides. Run calls it on a goroutine of its own, never two at once:
+// the probe cursor and budget are the round's.
 func (p *Pool) probeOnce(ctx context.Context) {
 	if p.opts.Prober == nil {
 		return
@@ -133,9 +135,12 @@ func (p *Pool) probeOnce(ctx context.Context) {
 			return
 		case r == Success:
 			p.readmit(h, p.now().UnixNano())
-		case r.UpstreamFault() && p.now().UnixNano() >= h.ejectedUntil.Load():
-			p.countFailure(h, r)
-			p.reeject(h) // it was probing: the probe was its trial
+		case r.UpstreamFault():
+			// A connection's failure rule: counted, one more consecutive
+			// failure, a ppr session's rotation asked for, and past the
+			// ejection the probe was its trial: ejected again.
+			p.failed(h, r)
+			h.trial.Store(false) // the probe's claim, if the failure left it
 		default:
 			h.trial.Store(false)
 		}
