@@ -81,7 +81,7 @@ func pickFirst(hs []*host, start uint64, f *filter) (i int, passed uint64) {
 // ejected ones would take k+1 turns a round), and every eligible member
 // gets one turn a round. Picks at the same instant that start in the same
 // run may still meet on one member. One atomic add when the turn's member
-// is eligible, a compare-and-swap more when it is not.
+// is eligible, a load and a compare-and-swap or a few more when it is not.
 func pickTurn(hs []*host, rr *atomic.Uint64, f *filter) int {
 	start := rr.Add(1) - 1
 	i, passed := pickFirst(hs, start, f)
@@ -92,16 +92,28 @@ func pickTurn(hs []*host, rr *atomic.Uint64, f *filter) int {
 }
 
 // passTurns moves the cursor rr past the member chosen by the pick that had
-// turn start and passed over passed members before it, if the cursor is
-// still where that pick left it (start+1). If not, other picks took turns
-// meanwhile: either one of them had the chosen member's turn or a later
-// one, and the cursor is past it already, or they started in the same run
-// of ineligible members, and the last of them moves it. A single
-// compare-and-swap, no loop: the cursor is the one line every pick writes.
-// Its values only grow (2^64 picks are centuries).
+// turn start and passed over passed members before it: to start+passed+1
+// at least, so that the turns of the run it passed are used up whatever
+// other picks did with the cursor meanwhile (those that started in the
+// same run chose the same member, and the later ones moved it further
+// already). It only raises the cursor, with a compare-and-swap that other
+// picks moving it make fail; after passTries failures it gives up, which
+// costs evenness only, never correctness. No lock: the cursor is the one
+// line every pick writes. Its values only grow (2^64 picks are centuries).
 func passTurns(rr *atomic.Uint64, start, passed uint64) {
-	rr.CompareAndSwap(start+1, start+passed+1)
+	past := start + passed + 1
+	for range passTries {
+		cur := rr.Load()
+		if cur >= past || rr.CompareAndSwap(cur, past) {
+			return
+		}
+	}
 }
+
+// passTries bounds passTurns' compare-and-swap loop: each failure means
+// another pick moved the cursor, so under heavy contention a few suffice
+// for it to pass the run.
+const passTries = 8
 
 // randomDraws is how many members pickRandom draws before it gives up.
 const randomDraws = 4
