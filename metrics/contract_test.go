@@ -142,6 +142,7 @@ func TestConcurrentUse(t *testing.T) {
 		m.SetServices([]int{101, 202 + i%2})
 		m.AddListener("socks")
 		m.SetListeners([]string{"http", "socks"}[:1+i%2]) // retires socks every other round
+		m.ListenerGone("socks")                           // and forgets it then
 	})
 	for gathers := 0; gathers < 5 || busy(); gathers++ {
 		if _, err := reg.Gather(); err != nil {

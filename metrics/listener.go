@@ -120,23 +120,29 @@ func (c *connCollector) Describe(ch chan<- *prometheus.Desc) {
 	}
 }
 
+// active is how many connections l counted as opened and not closed.
+// Results are read before opened: a connection counted as closed was
+// opened before, so the difference does not go below zero.
+func (l *listenerObserver) active() uint64 {
+	var closed uint64
+	for o := range forward.NumOutcomes {
+		closed += l.results[o].Load()
+	}
+	closed += l.invalid.Load()
+	opened := l.opened.Load()
+	return opened - min(closed, opened)
+}
+
+// Collect exports every listener the Metrics knows, current and retired
+// alike: a scrape only reads, and a retired listener's series go only when
+// main says its incarnation is gone (Metrics.ListenerGone).
 func (c *connCollector) Collect(ch chan<- prometheus.Metric) {
 	c.m.mu.Lock()
 	ls := make([]*listenerObserver, 0, len(c.m.listeners))
-	var retired []*listenerObserver
 	for _, l := range c.m.listeners {
 		ls = append(ls, l)
-		if l.retired {
-			retired = append(retired, l)
-		}
 	}
 	c.m.mu.Unlock()
-	var drained []*listenerObserver // retired, and exported here with nothing open
-	defer func() {
-		if drained != nil {
-			c.m.forgetDrained(drained)
-		}
-	}()
 
 	var (
 		counts [len(dialProtocols)][len(dialBounds) + 1]uint64
@@ -154,9 +160,6 @@ func (c *connCollector) Collect(ch chan<- prometheus.Metric) {
 		closed += l.invalid.Load()
 		opened := l.opened.Load()
 		active := opened - min(closed, opened)
-		if active == 0 && slices.Contains(retired, l) {
-			drained = append(drained, l) // this is its last export
-		}
 		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(active), l.name)
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.up.Load()), l.name, "up")
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.down.Load()), l.name, "down")

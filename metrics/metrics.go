@@ -16,7 +16,10 @@
 // provider account and its unpaid invoices, the age of the pool state) are
 // built at scrape time from the last snapshot handed in, in the manner of
 // node_exporter's collectors, so nothing that left stays behind as a stale
-// series.
+// series. A listener is both: its health goes with the reload that removes
+// it (SetListeners), while its connection counters stay until main says
+// its last incarnation is gone (ListenerGone), since that one may still
+// accept and finish connections. A scrape only reads: it forgets nothing.
 //
 // Left out: labels that identify an upstream, a client, a destination or a
 // user. Per-upstream detail belongs to the admin /pool endpoint. The package
@@ -54,7 +57,8 @@ type Options struct {
 	Version string
 	// Listeners are the names of the configured listeners; their series
 	// exist at zero from the start. More can be added with AddListener,
-	// and SetListeners replaces the set after a reload.
+	// SetListeners replaces the set after a reload, and ListenerGone
+	// forgets a retired one.
 	Listeners []string
 	// Services are the IDs of the served services; their series exist at
 	// zero from the start. SetServices replaces the set after a reload.
@@ -134,7 +138,7 @@ type Metrics struct {
 	services atomic.Pointer[map[int]*serviceCounters]
 
 	mu         sync.Mutex
-	listeners  map[string]*listenerObserver // current ones, and retired ones with connections open
+	listeners  map[string]*listenerObserver // current ones, and retired ones until ListenerGone
 	account    Account
 	poolSource func() pool.Explanation
 }
@@ -295,11 +299,10 @@ func (m *Metrics) addListener(name string) *listenerObserver {
 
 // SetListeners makes names the current listeners, after a reload: new ones
 // get their series at zero (as with AddListener), and the others are
-// retired. A retired listener's connection series stay while connections
-// it accepted are open (a reload lets them finish), are exported once more
-// after the last one closed, and are then forgotten, so that a removed or
-// renamed listener leaves no series behind and the set does not grow with
-// every rename. main calls it where it sets the pool's listener slices.
+// retired: no longer in the listener health series, while their connection
+// series stay, counting what the retired incarnation still accepts and the
+// connections it lets finish, for every scrape to see, until ListenerGone
+// forgets them. main calls it where it sets the pool's listener slices.
 func (m *Metrics) SetListeners(names []string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -311,17 +314,21 @@ func (m *Metrics) SetListeners(names []string) {
 	}
 }
 
-// forgetDrained forgets the listeners of ls, retired ones that a scrape
-// found with no connection open and exported for the last time, unless
-// they were made current again meanwhile. A retired listener accepts no
-// more connections, so its series cannot change after that.
-func (m *Metrics) forgetDrained(ls []*listenerObserver) {
+// ListenerGone forgets the connection series of a listener that a reload
+// retired, so that a removed or renamed listener leaves no series behind
+// and the set does not grow with every rename. main calls it when a
+// retired incarnation of name has finished: its socket closed (or handed
+// to its successor) and its connections ended. It forgets nothing when
+// name is current again (a reload changed the listener, or brought the
+// name back: the series go on), nor while connections counted under name
+// are still open (another retired incarnation of the same name still
+// drains; its own call forgets them). Forgotten, a name that comes back
+// starts over at zero.
+func (m *Metrics) ListenerGone(name string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for _, l := range ls {
-		if l.retired && m.listeners[l.name] == l {
-			delete(m.listeners, l.name)
-		}
+	if l, ok := m.listeners[name]; ok && l.retired && l.active() == 0 {
+		delete(m.listeners, name)
 	}
 }
 

@@ -454,10 +454,10 @@ proxyd_listener_usable_upstreams{listener="socks5"} 2
 }
 
 // SetListeners makes a set of listeners current: the others' connection
-// series stay while connections they accepted are open, read once more
-// after the last one closed, and are gone after that; a pool that explains
-// no listener leaves the current ones at 0 usable.
-func TestSetListenersForgetsRemovedListeners(t *testing.T) {
+// series stay, however often they are scraped, while their incarnation
+// drains, and are gone once main says it is (ListenerGone); a pool that
+// explains no listener leaves the current ones at 0 usable.
+func TestRetiredListenerGoesWhenItsIncarnationIsGone(t *testing.T) {
 	reg, m := newTestMetrics(t) // listeners http, socks
 	m.SetPoolSource(func() pool.Explanation { return pool.Explanation{} })
 	socks := m.Listener("socks")
@@ -484,10 +484,14 @@ proxyd_connections_active{listener="http"} 0
 	check("after the reload", "proxyd_connections_active", active+`proxyd_connections_active{listener="socks"} 1
 proxyd_connections_active{listener="socks5"} 0
 `)
+	m.ListenerGone("socks") // too early: a tunnel is open
 	socks.Closed(forward.OutcomeOK, 10, 20, 0)
-	check("its last tunnel closed", "proxyd_connections_active", active+`proxyd_connections_active{listener="socks"} 0
+	for _, when := range []string{"its last tunnel closed", "scraped again"} {
+		check(when, "proxyd_connections_active", active+`proxyd_connections_active{listener="socks"} 0
 proxyd_connections_active{listener="socks5"} 0
 `)
+	}
+	m.ListenerGone("socks") // its incarnation is gone
 	check("then", "proxyd_connections_active", active+`proxyd_connections_active{listener="socks5"} 0
 `)
 	if got := countSeries(t, reg, "proxyd_connections_total"); got != 2*int(forward.NumOutcomes) {
@@ -501,6 +505,30 @@ proxyd_connections_active{listener="socks5"} 0
 `)
 	if got := sumSeries(t, reg, "proxyd_bytes_total"); got != 0 {
 		t.Errorf("bytes after socks came back: %g, want 0", got)
+	}
+	// A current listener is not forgotten: a reload that changed it
+	// retires its old incarnation under the same name.
+	m.Listener("socks").Closed(forward.OutcomeOK, 1, 1, 0)
+	m.ListenerGone("socks")
+	if got := sumSeries(t, reg, "proxyd_bytes_total"); got != 2 {
+		t.Errorf("bytes of a current listener after ListenerGone: %g, want 2", got)
+	}
+}
+
+// A retired listener's socket may still accept for a moment after the
+// reload, and any scrape may come in between (a second Prometheus, a
+// curl): what it counts then is counted, and every scrape sees it.
+func TestRetiredListenerCountsSurviveScrapes(t *testing.T) {
+	reg, m := newTestMetrics(t) // listeners http, socks
+	socks := m.Listener("socks")
+	m.SetListeners([]string{"http"}) // socks removed, its socket not closed yet
+	_ = sumSeries(t, reg, "proxyd_connections_total")
+	socks.Opened() // accepted before the close
+	socks.Closed(forward.OutcomeOK, 1, 2, 0)
+	for _, when := range []string{"first", "second"} {
+		if got := sumSeries(t, reg, "proxyd_connections_total"); got != 1 {
+			t.Errorf("%s scrape: proxyd_connections_total sums to %g after one connection, want 1", when, got)
+		}
 	}
 }
 
