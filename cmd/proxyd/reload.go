@@ -439,6 +439,7 @@ func (d *daemon) retire(rl *runningListener) {
 		defer d.retired.Done()
 		rl.l.Shutdown(d.retiring)
 		rl.l.Close()
+		d.metrics.ListenerGone(rl.cfg.Name) // its last counts were exported meanwhile
 	}()
 }
 
