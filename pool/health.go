@@ -255,9 +255,11 @@ func (p *Pool) fitCaps(cfg *Config, s *snapshot) []*host {
 			}
 		}
 		slices.SortStableFunc(outs, func(a, b out) int { return cmp.Compare(a.until, b.until) })
+		now := p.now().UnixNano()
 		for _, o := range outs[:min(over, int64(len(outs)))] {
 			h, u := o.h, o.h.cur.Load()
 			h.ejectedUntil.Store(0)
+			h.readmitted.Store(now) // back in as a re-admission is: its ejection streak stays
 			h.trial.Store(false)
 			for _, t := range s.slices {
 				if t.matches(u) {

@@ -440,6 +440,9 @@ func TestEjectionCapHoldsInEveryOrder(t *testing.T) {
 		if l := listenerOf(t, p, "l"); l.Panic {
 			t.Errorf("a recovered: %+v", l)
 		}
+		if st := hs[0].h.streak.Load(); st != 1 {
+			t.Errorf("a's ejection streak after a success just after its early end: %d, want 1 (kept, as after a re-admission)", st)
+		}
 		fail(p, hs[0], 3)
 		capHolds(t, p, "a failing again")
 		if s := stateOf(t, p, hs[0].ID()); s.State != Healthy {
@@ -811,11 +814,13 @@ func TestPanicIsPerSlice(t *testing.T) {
 	}
 }
 
-// A failed probe takes a connection failure's path: besides the count
-// and the Failure hook, one more consecutive failure, and for a ppr sticky
-// session a rotation request; past the ejection it was the trial, so the
-// upstream is ejected again. Before its ejection ends, it is counted but
-// the ejection keeps its end, and the upstream can still be tried.
+// A failed probe past the ejection was the upstream's trial and takes a
+// connection failure's path: besides the count and the Failure hook, one
+// more consecutive failure, for a ppr sticky session a rotation request,
+// and the upstream is ejected again. Within the ejection it only says the
+// upstream is still down: nothing is counted and no rotation asked for (a
+// successful one would end the ejection), and the upstream can still be
+// tried.
 func TestFailedProbeTakesTheConnectionFailurePath(t *testing.T) {
 	clk := newClock()
 	var hooked atomic.Int64
@@ -844,16 +849,16 @@ func TestFailedProbeTakesTheConnectionFailurePath(t *testing.T) {
 		t.Fatalf("after three failures: %+v", s)
 	}
 
-	p.probeOnce(context.Background()) // within the ejection
+	p.probeOnce(context.Background()) // within the ejection: says only "still down"
 	s := stateOf(t, p, u.ID())
-	if s.State != Ejected || s.Failures != 4 || s.ConsecutiveFailures != 4 || s.Ejections != 1 || hooked.Load() != 4 {
-		t.Errorf("after a failed probe within the ejection: %+v, Failure hook told %d", s, hooked.Load())
+	if s.State != Ejected || s.Failures != 3 || s.ConsecutiveFailures != 3 || s.Ejections != 1 || hooked.Load() != 3 {
+		t.Errorf("after a failed probe within the ejection: %+v, Failure hook told %d; want nothing counted", s, hooked.Load())
 	}
 	if u.h.trial.Load() {
 		t.Errorf("the failed probe kept the trial claim")
 	}
-	if got := rs.get(); len(got) != 4 || got[3] != "rate_limited" {
-		t.Errorf("rotation results %v: the probe's failure asks for a rotation, held back by the interval", got)
+	if got := rs.get(); len(got) != 3 {
+		t.Errorf("rotation results %v: a probe within the ejection asks for no rotation", got)
 	}
 
 	clk.Advance(time.Minute) // the ejection and the rotate interval are over
@@ -864,9 +869,9 @@ func TestFailedProbeTakesTheConnectionFailurePath(t *testing.T) {
 	if got := <-rot.seen; got != "s0" {
 		t.Errorf("rotated %s", got)
 	}
-	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 5 })
+	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 4 })
 	s = stateOf(t, p, u.ID())
-	if s.State != Ejected || s.Failures != 5 || s.ConsecutiveFailures != 5 || s.Ejections != 2 || hooked.Load() != 5 {
+	if s.State != Ejected || s.Failures != 4 || s.ConsecutiveFailures != 4 || s.Ejections != 2 || hooked.Load() != 4 {
 		t.Errorf("after a failed probe as the trial: %+v, Failure hook told %d", s, hooked.Load())
 	}
 }

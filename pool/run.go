@@ -135,10 +135,13 @@ func (p *Pool) probeOnce(ctx context.Context) {
 			return
 		case r == Success:
 			p.readmit(h, p.now().UnixNano())
-		case r.UpstreamFault():
-			// A connection's failure rule: counted, one more consecutive
-			// failure, a ppr session's rotation asked for, and past the
-			// ejection the probe was its trial: ejected again.
+		case r.UpstreamFault() && p.now().UnixNano() >= h.ejectedUntil.Load():
+			// Past the ejection the probe was its trial, and its failure
+			// takes a connection's rule: counted, one more consecutive
+			// failure, a ppr session's rotation asked for, ejected again.
+			// Within the ejection it only says the upstream is still down:
+			// counted nowhere (probe traffic must not inflate the failure
+			// metrics, nor ask for a rotation that would end the ejection).
 			p.failed(h, r)
 			h.trial.Store(false) // the probe's claim, if the failure left it
 		default:
