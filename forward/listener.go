@@ -546,13 +546,15 @@ func (c *clientConn) Close() error {
 		l.mu.Lock()
 		delete(l.conns, c)
 		l.mu.Unlock()
-		l.active.Add(-1)
-		l.capped.Add(-1)
 		o := OutcomeClientError
 		if v := c.outcome.Load(); v > 0 {
 			o = Outcome(v - 1)
 		}
+		// Reported before it stops counting as active: once Shutdown sees
+		// none active, the observer has every connection's outcome.
 		l.obs.Closed(o, c.up.Load(), c.down.Load(), int(c.retries.Load()))
+		l.active.Add(-1)
+		l.capped.Add(-1)
 	})
 	return c.closeErr
 }

@@ -178,6 +178,8 @@ type testObserver struct {
 	closed []closedRec
 	dialed int
 	hedged int
+	// onClosed, set before any connection, runs in each Closed call.
+	onClosed func()
 }
 
 func (o *testObserver) Opened() { o.mu.Lock(); o.opened++; o.mu.Unlock() }
@@ -185,6 +187,9 @@ func (o *testObserver) Closed(oc Outcome, up, down int64, retries int) {
 	o.mu.Lock()
 	o.closed = append(o.closed, closedRec{oc, up, down, retries})
 	o.mu.Unlock()
+	if o.onClosed != nil {
+		o.onClosed()
+	}
 }
 func (o *testObserver) Dialed(pool.Protocol, time.Duration) { o.mu.Lock(); o.dialed++; o.mu.Unlock() }
 func (o *testObserver) Hedged()                             { o.mu.Lock(); o.hedged++; o.mu.Unlock() }

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -480,5 +481,27 @@ func TestOwnAddrs(t *testing.T) {
 	interfaceAddrs = func() ([]net.Addr, error) { return nil, syscall.EAFNOSUPPORT }
 	if got, err := ownAddrs(&net.TCPAddr{IP: net.IPv4zero, Port: 8080}); !errors.Is(err, syscall.EAFNOSUPPORT) {
 		t.Errorf("ownAddrs without netlink = %v, %v; want the error", got, err)
+	}
+}
+
+// TestClosedReportedWhileActive: a connection's outcome reaches the
+// observer before it stops counting as active, so once Shutdown finds no
+// connection active, the observer has every outcome (the daemon then drops
+// a retired listener's series without losing a count).
+func TestClosedReportedWhileActive(t *testing.T) {
+	checkLeaks(t)
+	tl := startListener(t, testConfig(nil), newFakePool())
+	var activeAtClose atomic.Int64
+	activeAtClose.Store(-1)
+	tl.obs.onClosed = func() { activeAtClose.Store(int64(tl.ActiveConns())) }
+	c, err := net.Dial("tcp", tl.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, func() bool { return tl.ActiveConns() == 1 }, "the connection counted")
+	c.Close()
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "closed")
+	if got := activeAtClose.Load(); got != 1 {
+		t.Errorf("active connections when the close was reported: %d, want 1 (still counted)", got)
 	}
 }

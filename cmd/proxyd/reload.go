@@ -439,7 +439,10 @@ func (d *daemon) retire(rl *runningListener) {
 		defer d.retired.Done()
 		rl.l.Shutdown(d.retiring)
 		rl.l.Close()
-		d.metrics.ListenerGone(rl.cfg.Name) // its last counts were exported meanwhile
+		// Every connection it had is counted now (forward reports a close
+		// before it stops counting it as active); its series go, unless the
+		// name is current again.
+		d.metrics.ListenerGone(rl.cfg.Name)
 	}()
 }
 
