@@ -598,63 +598,56 @@ func TestActiveProbe(t *testing.T) {
 	p.stopRotations()
 }
 
-// A failed probe is a failure of the upstream like any other: /pool's count
-// and the Failure hook (proxyd_upstream_failures_total) move together.
-func TestFailedProbeCountsAsFailure(t *testing.T) {
+// ejectedForProbe sets up a pool probed by prober whose first of three
+// upstreams was ejected and whose ejection is over (a probe is its trial),
+// with the Failure hook's results recorded in hooked.
+func ejectedForProbe(t *testing.T, prober Prober) (p *Pool, u *Upstream, hooked *[]Result) {
+	t.Helper()
 	clk := newClock()
-	var hooked []Result
-	prober := proberFunc(func(context.Context, *Upstream) Result { return HandshakeTimeout })
+	hooked = new([]Result)
 	p, err := New(conf(func(c *Config) { c.MaxEjectedPercent = 100; c.ProbeInterval = time.Hour }), Options{
 		Now: clk.Now, Rand: midRand, Prober: prober,
-		Hooks: Hooks{Failure: func(_ int, r Result) { hooked = append(hooked, r) }},
+		Hooks: Hooks{Failure: func(_ int, r Result) { *hooked = append(*hooked, r) }},
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.stopRotations()
+	t.Cleanup(p.stopRotations)
 	set := ups(1, 3)
 	p.Update(set)
-	u := handle(p, set[0])
+	u = handle(p, set[0])
 	fail(p, u, 3)
-	clk.Advance(30 * time.Second) // the ejection is over: the probe is its trial
+	clk.Advance(30 * time.Second)
+	return p, u, hooked
+}
+
+// A failed probe is a failure of the upstream like any other: /pool's count
+// and the Failure hook (proxyd_upstream_failures_total) move together.
+func TestFailedProbeCountsAsFailure(t *testing.T) {
+	p, u, hooked := ejectedForProbe(t, proberFunc(func(context.Context, *Upstream) Result { return HandshakeTimeout }))
 	p.probeOnce(context.Background())
 	s := stateOf(t, p, u.ID())
 	if s.State != Ejected || s.Ejections != 2 || s.Reason != "handshake_timeout" {
 		t.Errorf("after a failed probe: %+v", s)
 	}
-	if s.Failures != 4 || len(hooked) != 4 || hooked[3] != HandshakeTimeout {
-		t.Errorf("/pool counts %d failures, the Failure hook was told %v", s.Failures, hooked)
+	if h := *hooked; s.Failures != 4 || len(h) != 4 || h[3] != HandshakeTimeout {
+		t.Errorf("/pool counts %d failures, the Failure hook was told %v", s.Failures, h)
 	}
 }
 
 // A probe cut short because Run is stopping says nothing about its
 // upstream: no failure is counted, the upstream stays as it was.
 func TestCutProbeCountsNothing(t *testing.T) {
-	clk := newClock()
-	var hooked []Result
 	ctx, cancel := context.WithCancel(context.Background())
-	prober := proberFunc(func(pctx context.Context, _ *Upstream) Result {
+	p, u, hooked := ejectedForProbe(t, proberFunc(func(pctx context.Context, _ *Upstream) Result {
 		cancel() // Run stops while the probe waits
 		<-pctx.Done()
 		return HandshakeTimeout
-	})
-	p, err := New(conf(func(c *Config) { c.MaxEjectedPercent = 100; c.ProbeInterval = time.Hour }), Options{
-		Now: clk.Now, Rand: midRand, Prober: prober,
-		Hooks: Hooks{Failure: func(_ int, r Result) { hooked = append(hooked, r) }},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.stopRotations()
-	set := ups(1, 3)
-	p.Update(set)
-	u := handle(p, set[0])
-	fail(p, u, 3)
-	clk.Advance(30 * time.Second) // the ejection is over: a probe would be its trial
+	}))
 	p.probeOnce(ctx)
 	s := stateOf(t, p, u.ID())
-	if s.Failures != 3 || len(hooked) != 3 || s.Ejections != 1 {
-		t.Errorf("after a probe cut by Run's end: %+v; Failure hook told %v", s, hooked)
+	if s.Failures != 3 || len(*hooked) != 3 || s.Ejections != 1 {
+		t.Errorf("after a probe cut by Run's end: %+v; Failure hook told %v", s, *hooked)
 	}
 }
 
