@@ -123,7 +123,7 @@ func (p *Poller) manageLists(ctx context.Context) {
 	var due []int
 	p.mu.Lock()
 	for id, st := range p.services {
-		if st.Record.ProductType != "fpr" || !st.StatusKnown {
+		if st.Record.ProductType != "fpr" || !st.StatusKnown() {
 			continue
 		}
 		m := p.manage[id]

@@ -130,8 +130,6 @@ type ServiceState struct {
 	// its last good value (and backs off alone), so the daemon applies each
 	// list once it is known, the other keeping what the daemon had.
 	ErroredKnown, InactiveKnown bool
-	// StatusKnown: both network-status lists are known.
-	StatusKnown bool
 	// Resolved maps each host name among the sticky sessions' servers and
 	// the list entries' hosts to the addresses it resolved to in the last
 	// lists round: how a session's port is found in a list of IPs, and the
@@ -140,6 +138,9 @@ type ServiceState struct {
 	// addresses of its last good one (none if it never resolved).
 	Resolved map[string][]string
 }
+
+// StatusKnown reports whether both network-status lists are known.
+func (s *ServiceState) StatusKnown() bool { return s.ErroredKnown && s.InactiveKnown }
 
 // Snapshot is the agent's whole view, handed to the daemon after each change.
 // It is a deep copy: the receiver may keep it.
@@ -1148,7 +1149,6 @@ func (p *Poller) pollStatus(ctx context.Context, r roundStart, units []unit) err
 			} else {
 				st.Errored, st.ErroredKnown = ips, true
 			}
-			st.StatusKnown = st.ErroredKnown && st.InactiveKnown
 		}
 		p.mu.Unlock()
 	}

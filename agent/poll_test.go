@@ -106,7 +106,7 @@ func TestPollerServesActiveServices(t *testing.T) {
 	if _, ok := fpr.Lists["ppr-http"]; ok {
 		t.Error("an fpr service must not fetch ppr lists")
 	}
-	if !fpr.StatusKnown || !slices.Contains(fpr.Errored, "203.0.113.9") {
+	if !fpr.StatusKnown() || !slices.Contains(fpr.Errored, "203.0.113.9") {
 		t.Errorf("errored list: %v", fpr.Errored)
 	}
 	ppr := serviceByID(s, 102)
@@ -509,9 +509,9 @@ func TestPollerStatusAppliesErroredWhenInactiveFails(t *testing.T) {
 		t.Error("the round reported no error while the inactive list failed")
 	}
 	st := serviceByID(p.Snapshot(), 101)
-	if !st.StatusKnown || !slices.Equal(st.Errored, []string{"10.0.0.1"}) || !slices.Equal(st.Inactive, []string{"10.0.0.3"}) {
+	if !st.StatusKnown() || !slices.Equal(st.Errored, []string{"10.0.0.1"}) || !slices.Equal(st.Inactive, []string{"10.0.0.3"}) {
 		t.Errorf("known %v, errored %v, inactive %v; want known, errored [10.0.0.1], inactive [10.0.0.3] kept",
-			st.StatusKnown, st.Errored, st.Inactive)
+			st.StatusKnown(), st.Errored, st.Inactive)
 	}
 }
 
@@ -680,12 +680,12 @@ func TestPollerStatusListsOwnClocks(t *testing.T) {
 		t.Errorf("in 10m: errored 101 %d (want 20), errored 102 %d (want 20), inactive 101 %d (want 7, its own backoff)", e1, e2, i1)
 	}
 	st := serviceByID(p.Snapshot(), 101)
-	if !st.ErroredKnown || st.InactiveKnown || st.StatusKnown || !slices.Equal(st.Errored, []string{"10.0.0.1"}) {
+	if !st.ErroredKnown || st.InactiveKnown || st.StatusKnown() || !slices.Equal(st.Errored, []string{"10.0.0.1"}) {
 		t.Errorf("service 101: errored known %v %v, inactive known %v, status known %v; want the errored list known alone",
-			st.ErroredKnown, st.Errored, st.InactiveKnown, st.StatusKnown)
+			st.ErroredKnown, st.Errored, st.InactiveKnown, st.StatusKnown())
 	}
-	if st := serviceByID(p.Snapshot(), 102); !st.ErroredKnown || !st.InactiveKnown || !st.StatusKnown {
-		t.Errorf("service 102: errored known %v, inactive known %v, status known %v; want all", st.ErroredKnown, st.InactiveKnown, st.StatusKnown)
+	if st := serviceByID(p.Snapshot(), 102); !st.ErroredKnown || !st.InactiveKnown || !st.StatusKnown() {
+		t.Errorf("service 102: errored known %v, inactive known %v, status known %v; want all", st.ErroredKnown, st.InactiveKnown, st.StatusKnown())
 	}
 }
 

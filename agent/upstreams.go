@@ -272,8 +272,8 @@ func hostNames(sessions []StickySession, lists map[string][]Entry) []string {
 	return out
 }
 
-// resolveHosts looks up the addresses of hosts that are host names (the
-// provider's gateways: sticky servers, list entries), each once per lists
+// resolveHosts looks up the addresses of hosts, host names as hostNames
+// returns them (the provider's gateways: sticky servers, list entries), each once per lists
 // round: a session's port is then found in lists that name the gateway by
 // IP, and an upstream dialed by name gets the IP the network-status lists
 // name it by. A failed lookup keeps the name's addresses in last, the
@@ -290,13 +290,7 @@ func (p *Poller) resolveHosts(ctx context.Context, owner Loop, cfg PollConfig, h
 	defer cancel()
 	var out map[string][]string
 	for _, h := range hosts {
-		if h == "" {
-			continue
-		}
 		if _, done := out[h]; done {
-			continue
-		}
-		if _, err := netip.ParseAddr(unbracket(h)); err == nil {
 			continue
 		}
 		if out == nil {
