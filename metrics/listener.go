@@ -149,18 +149,10 @@ func (c *connCollector) Collect(ch chan<- prometheus.Metric) {
 		sums   [len(dialProtocols)]uint64
 	)
 	for _, l := range ls {
-		// Results before opened: a connection counted as closed was opened
-		// before, so the difference does not go below zero.
-		var closed uint64
 		for o := range forward.NumOutcomes {
-			n := l.results[o].Load()
-			closed += n
-			ch <- prometheus.MustNewConstMetric(c.connections, prometheus.CounterValue, float64(n), l.name, o.String())
+			ch <- prometheus.MustNewConstMetric(c.connections, prometheus.CounterValue, float64(l.results[o].Load()), l.name, o.String())
 		}
-		closed += l.invalid.Load()
-		opened := l.opened.Load()
-		active := opened - min(closed, opened)
-		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(active), l.name)
+		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(l.active()), l.name)
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.up.Load()), l.name, "up")
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.down.Load()), l.name, "down")
 		ch <- prometheus.MustNewConstMetric(c.retries, prometheus.CounterValue, float64(l.retries.Load()), l.name)
