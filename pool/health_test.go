@@ -646,8 +646,11 @@ func TestCutProbeCountsNothing(t *testing.T) {
 	}))
 	p.probeOnce(ctx)
 	s := stateOf(t, p, u.ID())
-	if s.Failures != 3 || len(*hooked) != 3 || s.Ejections != 1 {
+	if s.Failures != 3 || len(*hooked) != 3 || s.Ejections != 1 || s.State != Probing {
 		t.Errorf("after a probe cut by Run's end: %+v; Failure hook told %v", s, *hooked)
+	}
+	if u.h.trial.Load() {
+		t.Error("the cut probe kept the trial claim: the upstream could never be tried again")
 	}
 }
 
