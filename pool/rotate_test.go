@@ -143,16 +143,8 @@ func stickyOn(t *testing.T, p *Pool, want string) string {
 
 func TestRotationReleasesWaitingKeys(t *testing.T) {
 	clk := newClock()
-	release := make(chan struct{})
-	started := make(chan string, 10)
-	rot := &fakeRotator{seen: started, fn: func(ctx context.Context, _ string) (string, error) {
-		select {
-		case <-release:
-			return "203.0.113.50", nil
-		case <-ctx.Done():
-			return "", ctx.Err()
-		}
-	}}
+	rot, release := blockingRotator("203.0.113.50")
+	started := rot.seen
 	var rs rotations
 	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = time.Minute }), Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
 	ss := sessions(7, 3, "198.51.100.1")
