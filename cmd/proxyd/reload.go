@@ -386,8 +386,8 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) err
 		if owner, ok := take[lc.Name]; ok {
 			acc = owner.acc
 			took = append(took, handover{acc: acc, owner: owner})
-			if prev == nil {
-				prev = owner // renamed on the same address
+			if _, kept := next.listenerNamed(owner.cfg.Name); prev == nil && !kept {
+				prev = owner // renamed on the same address (its name is not taken again)
 			}
 		} else if ln, ok := sockets[lc.Name]; ok {
 			acc = newAcceptor(ln, d.log.With("listener", lc.Name))

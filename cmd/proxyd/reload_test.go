@@ -739,3 +739,28 @@ func TestReloadUndoKeepsTheCap(t *testing.T) {
 	wantOverCap(t, addr, echo, "after an undone reload")
 	roundTrip(t, held, "still open")
 }
+
+// TestReloadRenameAndReuseName: old `http` at A becomes `web` at A while a
+// new `http` takes another address: the old incarnation's connections
+// count against the listener that keeps its name, and `web` starts with a
+// cap of its own (two listeners never share one count).
+func TestReloadRenameAndReuseName(t *testing.T) {
+	e, addr, echo, held := capHeld(t)
+	next := e.cfg
+	next.Listener = slices.Clone(next.Listener)
+	next.Listener[0].Name = "web"
+	moved := next.Listener[0]
+	moved.Name, moved.Address = "http", freeport.Addr(t)
+	next.Listener = append(next.Listener, moved)
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	c, code := connectAs(t, addr, echo, "alice", "pa")
+	if code != 200 {
+		t.Fatalf("a first tunnel through web, max_connections = 1: %d, want 200", code)
+	}
+	defer c.Close()
+	wantOverCap(t, addr, echo, "web with its own tunnel")
+	wantOverCap(t, moved.Address, echo, "http, whose old incarnation holds one")
+	roundTrip(t, held, "still open")
+}
