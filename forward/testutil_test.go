@@ -178,7 +178,7 @@ type testObserver struct {
 	closed []closedRec
 	dialed int
 	hedged int
-	// onClosed, set before any connection, runs in each Closed call.
+	// onClosed (under mu) runs in each Closed call.
 	onClosed func()
 }
 
@@ -186,9 +186,10 @@ func (o *testObserver) Opened() { o.mu.Lock(); o.opened++; o.mu.Unlock() }
 func (o *testObserver) Closed(oc Outcome, up, down int64, retries int) {
 	o.mu.Lock()
 	o.closed = append(o.closed, closedRec{oc, up, down, retries})
+	f := o.onClosed
 	o.mu.Unlock()
-	if o.onClosed != nil {
-		o.onClosed()
+	if f != nil {
+		f()
 	}
 }
 func (o *testObserver) Dialed(pool.Protocol, time.Duration) { o.mu.Lock(); o.dialed++; o.mu.Unlock() }

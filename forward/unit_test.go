@@ -493,7 +493,9 @@ func TestClosedReportedWhileActive(t *testing.T) {
 	tl := startListener(t, testConfig(nil), newFakePool())
 	var activeAtClose atomic.Int64
 	activeAtClose.Store(-1)
+	tl.obs.mu.Lock()
 	tl.obs.onClosed = func() { activeAtClose.Store(int64(tl.ActiveConns())) }
+	tl.obs.mu.Unlock()
 	c, err := net.Dial("tcp", tl.addr)
 	if err != nil {
 		t.Fatal(err)

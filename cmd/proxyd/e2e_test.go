@@ -644,10 +644,10 @@ func TestTCPProber(t *testing.T) {
 			defer c.Close()
 		}
 	}()
-	long, stop := context.WithTimeout(context.Background(), time.Minute)
+	long, stop := context.WithTimeout(context.Background(), 10*time.Second)
 	time.AfterFunc(100*time.Millisecond, stop)
 	start := time.Now()
-	if r := p.Probe(long, &pool.Upstream{Protocol: pool.SOCKS5, Address: silent.Addr().String()}); r != pool.HandshakeTimeout || time.Since(start) > 5*time.Second {
+	if r := p.Probe(long, &pool.Upstream{Protocol: pool.SOCKS5, Address: silent.Addr().String()}); r != pool.HandshakeTimeout || time.Since(start) > 2*time.Second {
 		t.Errorf("silent upstream, probe cancelled after 100ms: %s after %s", r, time.Since(start))
 	}
 }
