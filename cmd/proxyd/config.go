@@ -214,11 +214,6 @@ func (c *config) validate() configErrors {
 		fail("admin.token_file", "set either token or token_file, not both")
 	}
 	errs = append(errs, c.validateListeners()...)
-	if a := c.Admin.Address; a != "" && !strings.HasSuffix(a, ":0") {
-		if i := slices.IndexFunc(c.Listener, func(l listenerConfig) bool { return l.Address == a }); i >= 0 {
-			fail("admin.address", "%s is already the address of listener[%d]", a, i)
-		}
-	}
 	return errs
 }
 
@@ -244,7 +239,8 @@ func sectionProblems(prefix string, err error) configErrors {
 }
 
 // validateListeners checks the keys the daemon adds to a listener, what
-// spans listeners (names, addresses) and each listener's forward.Config.
+// spans listeners (names, addresses, the admin server's address among
+// theirs) and each listener's forward.Config.
 func (c *config) validateListeners() configErrors {
 	var errs configErrors
 	fail := func(key, format string, args ...any) {
@@ -286,6 +282,11 @@ func (c *config) validateListeners() configErrors {
 			if len(c.API.Services) > 0 && !slices.Contains(c.API.Services, id) {
 				fail(p+".services", "service %d is not in api.services", id)
 			}
+		}
+	}
+	if a := c.Admin.Address; !strings.HasSuffix(a, ":0") {
+		if i, dup := addrs[a]; dup {
+			fail("admin.address", "%s is already the address of listener[%d]", a, i)
 		}
 	}
 	return errs
