@@ -571,22 +571,37 @@ func TestReloadKeepsTunnels(t *testing.T) {
 			}
 			defer bob.Close()
 			roundTrip(t, bob, "before")
+			e.d.mu.Lock()
+			old := e.d.listeners["http"]
+			e.d.mu.Unlock()
 			next := e.cfg
 			next.Listener = slices.Clone(next.Listener)
 			tc.change(&next)
 			if err := e.d.Reload(next); err != nil {
 				t.Fatal(err)
 			}
-			if e.d.listenerAddr("http") == "" {
-				t.Fatal("no listener after the reload")
+			e.d.mu.Lock()
+			retired := e.d.listeners["http"] != old
+			e.d.mu.Unlock()
+			if !retired {
+				t.Fatal("the changed listener's incarnation was not replaced")
 			}
 			time.Sleep(3 * drain) // a drain that began at the reload would have cut the tunnel
 			roundTrip(t, bob, "past drain_timeout")
+			if n := old.l.ActiveConns(); n != 1 {
+				t.Errorf("the retired incarnation holds %d connections, want bob's tunnel", n)
+			}
 
+			// Stopping waits for the held tunnel up to drain_timeout, then
+			// closes it: not at once, and not much later.
+			start := time.Now()
 			closed := make(chan struct{})
 			go func() { e.d.Close(); close(closed) }()
 			select {
 			case <-closed:
+				if took := time.Since(start); took < drain {
+					t.Errorf("stopped after %s, before drain_timeout %s: the held tunnel was cut at once", took, drain)
+				}
 			case <-time.After(drain + 5*time.Second):
 				t.Fatalf("proxyd not stopped %s after Close with drain_timeout %s", drain+5*time.Second, drain)
 			}
