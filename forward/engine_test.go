@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -794,4 +795,92 @@ func TestDestinationClosesThroughSOCKS5(t *testing.T) {
 	if n := hits.Load(); n != 1 {
 		t.Errorf("destination got %d requests, want 1", n)
 	}
+}
+
+// TestSOCKSUpstreamPipelining: a SOCKS5 upstream with credentials gets the
+// greeting, the credentials and the request in one write (the upstream's
+// first read finds all 18 bytes). One that reads each message with one
+// read loses what came behind the greeting and waits: after
+// handshake_timeout the same attempt asks it again one message at a time
+// (its first read finds the 4-byte greeting alone), the tunnel opens, the
+// upstream is not blamed, and later tunnels through it are not pipelined.
+// Without credentials nothing is pipelined.
+func TestSOCKSUpstreamPipelining(t *testing.T) {
+	const handshake = 300 * time.Millisecond
+	const pipelined, greeting, greetingNoAuth = 3 + 5 + 10, 4, 3
+	tunnel := func(t *testing.T, tl *testListener, echo string) time.Duration {
+		t.Helper()
+		start := time.Now()
+		c, br, resp := rawConnect(t, tl.addr, echo, "")
+		defer c.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("CONNECT: %s", resp.Status)
+		}
+		took := time.Since(start)
+		_, _ = io.WriteString(c, "ping")
+		b := make([]byte, 4)
+		if _, err := io.ReadFull(br, b); err != nil || string(b) != "ping" {
+			t.Fatalf("echo %q, %v", b, err)
+		}
+		return took
+	}
+	setup := func(t *testing.T, user, pass string, mode upstreamMode) (*socksUpstream, *fakePool, *testListener, string) {
+		checkLeaks(t)
+		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+		up := newSOCKSUpstream(t, user, pass, nil)
+		up.mode.Store(int32(mode))
+		p := newFakePool(up.upstream(1))
+		tl := startListener(t, testConfig(func(c *Config) {
+			c.AllowDestinations = loopbackAllowed
+			c.HandshakeTimeout = handshake
+		}), p)
+		return up, p, tl, echo
+	}
+	wantReports := func(t *testing.T, p *fakePool, up *socksUpstream, n int) {
+		t.Helper()
+		p.waitBalanced(t)
+		r := p.Reports()
+		if len(r) != n {
+			t.Fatalf("reports %+v, want %d successes", r, n)
+		}
+		for _, x := range r {
+			if x != (report{up.upstream(1).ID(), pool.Success}) {
+				t.Fatalf("reports %+v, want %d successes", r, n)
+			}
+		}
+	}
+
+	t.Run("upstream keeps what came early", func(t *testing.T) {
+		up, p, tl, echo := setup(t, "u", "p", modeOK)
+		tunnel(t, tl, echo)
+		tunnel(t, tl, echo)
+		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, pipelined}) {
+			t.Errorf("first reads %v, want the whole handshake in each", got)
+		}
+		wantReports(t, p, up, 2)
+	})
+
+	t.Run("upstream drops what came early", func(t *testing.T) {
+		up, p, tl, echo := setup(t, "u", "p", modeReadPerMessage)
+		if took := tunnel(t, tl, echo); took < handshake {
+			t.Errorf("first tunnel opened after %s, before handshake_timeout: was it pipelined?", took)
+		}
+		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, greeting}) {
+			t.Fatalf("first reads %v, want a pipelined try, then the greeting alone", got)
+		}
+		tunnel(t, tl, echo)
+		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, greeting, greeting}) {
+			t.Errorf("first reads %v, want the later tunnel one message at a time", got)
+		}
+		wantReports(t, p, up, 2)
+	})
+
+	t.Run("no credentials", func(t *testing.T) {
+		up, p, tl, echo := setup(t, "", "", modeOK)
+		tunnel(t, tl, echo)
+		if got := up.Firsts(); !slices.Equal(got, []int{greetingNoAuth}) {
+			t.Errorf("first reads %v, want the greeting alone", got)
+		}
+		wantReports(t, p, up, 1)
+	})
 }

@@ -3,6 +3,7 @@ package forward
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -320,6 +321,25 @@ func TestDanteUpstream(t *testing.T) {
 	p.waitBalanced(t)
 	if r := p.Reports(); len(r) != 1 || r[0].res != pool.DestinationError {
 		t.Errorf("reports %+v", r)
+	}
+
+	// Dante keeps what comes behind the greeting: a pipelined handshake
+	// (without credentials: this Dante takes none) opens the tunnel.
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	host, port, _ := splitHostPort(echo, 0)
+	if _, err := (socks5.Client{Pipeline: true}).Handshake(c, socks5.Addr{Host: host, Port: port}, "", ""); err != nil {
+		t.Fatalf("pipelined handshake with Dante: %v", err)
+	}
+	_, _ = io.WriteString(c, "ping")
+	b := make([]byte, 4)
+	if _, err := io.ReadFull(c, b); err != nil || string(b) != "ping" {
+		t.Fatalf("echo through Dante %q, %v", b, err)
 	}
 }
 

@@ -88,14 +88,15 @@ func NewListener(cfg Config, p Pool, obs Observer, logger *slog.Logger) (*Listen
 		logger = slog.New(slog.DiscardHandler)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	logger = logger.With("listener", cfg.Name)
 	l := &Listener{
 		cfg:     cfg,
 		pool:    p,
 		obs:     obs,
-		log:     logger.With("listener", cfg.Name),
+		log:     logger,
 		auth:    newAuthenticator(cfg.Users),
 		dest:    destPolicy{allow: prefixes(cfg.AllowDestinations)},
-		dialer:  newDialer(cfg),
+		dialer:  newDialer(cfg, logger),
 		ctx:     ctx,
 		cancel:  cancel,
 		conns:   make(map[*clientConn]struct{}),

@@ -232,6 +232,10 @@ const (
 	modeCloseAtOnce
 	mode500
 	modeBanner // answer CONNECT and the destination's first bytes in one write
+	// modeReadPerMessage (SOCKS5): read each handshake message with one
+	// read and ignore what came behind it, so bytes pipelined behind the
+	// greeting are lost.
+	modeReadPerMessage
 )
 
 // httpUpstream is a small HTTP proxy: CONNECT and absolute-URI requests,
@@ -445,6 +449,7 @@ type socksUpstream struct {
 	mode       atomic.Int32
 	mu         sync.Mutex
 	targets    []string
+	firsts     []int // per connection, the bytes its first read found
 	wg         sync.WaitGroup
 	conns      sync.Map
 }
@@ -494,6 +499,15 @@ func (s *socksUpstream) accept() {
 	}
 }
 
+// Firsts is, per connection in the order accepted, how many bytes the
+// upstream's first read found: the greeting alone (3 or 4 bytes) or, from
+// a pipelining client, everything up to the request.
+func (s *socksUpstream) Firsts() []int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]int(nil), s.firsts...)
+}
+
 func (s *socksUpstream) serveConn(c net.Conn) {
 	switch upstreamMode(s.mode.Load()) {
 	case modeHang:
@@ -501,15 +515,76 @@ func (s *socksUpstream) serveConn(c net.Conn) {
 		return
 	case modeCloseAtOnce:
 		return
+	case modeReadPerMessage:
+		if req := s.readPerMessage(c); req != nil {
+			s.serveRequest(c, req)
+		}
+		return
 	}
 	cfg := socks5.ServerConfig{RequireAuth: s.user != ""}
 	if s.user != "" {
 		cfg.Authenticate = func(u, p string) bool { return u == s.user && p == s.pass }
 	}
-	req, err := socks5.ReadRequest(c, cfg)
-	if err != nil {
+	br := bufio.NewReaderSize(c, 1024)
+	if _, err := br.Peek(1); err != nil {
 		return
 	}
+	s.mu.Lock()
+	s.firsts = append(s.firsts, br.Buffered())
+	s.mu.Unlock()
+	req, err := socks5.ReadRequest(struct {
+		io.Reader
+		io.Writer
+	}{br, c}, cfg)
+	if err != nil || br.Buffered() > 0 { // nothing of the tunnel comes before the reply
+		return
+	}
+	s.serveRequest(c, req)
+}
+
+// readPerMessage is the handshake of a server that reads each message with
+// one read into a buffer and uses only the message: what a client
+// pipelined behind the greeting is lost, and it waits for credentials that
+// already came.
+func (s *socksUpstream) readPerMessage(c net.Conn) *socks5.Request {
+	b := make([]byte, 512)
+	n, err := c.Read(b)
+	if err != nil || n < 3 || b[0] != socks5.VersionSOCKS5 || n < 2+int(b[1]) {
+		return nil
+	}
+	s.mu.Lock()
+	s.firsts = append(s.firsts, n)
+	s.mu.Unlock()
+	if !bytes.Contains(b[2:2+int(b[1])], []byte{socks5.MethodUserPass}) {
+		_, _ = c.Write([]byte{socks5.VersionSOCKS5, socks5.MethodNoAcceptable})
+		return nil
+	}
+	_, _ = c.Write([]byte{socks5.VersionSOCKS5, socks5.MethodUserPass})
+	if n, err = c.Read(b); err != nil || n < 2 || n < 3+int(b[1]) || n < 3+int(b[1])+int(b[2+int(b[1])]) {
+		return nil
+	}
+	user, pass := string(b[2:2+int(b[1])]), string(b[3+int(b[1]):3+int(b[1])+int(b[2+int(b[1])])])
+	if user != s.user || pass != s.pass {
+		_, _ = c.Write([]byte{socks5.VersionUserPass, 1})
+		return nil
+	}
+	_, _ = c.Write([]byte{socks5.VersionUserPass, socks5.UserPassSucceeded})
+	if n, err = c.Read(b); err != nil {
+		return nil
+	}
+	// The request, parsed by ReadRequest behind a no-auth greeting of its own.
+	req, err := socks5.ReadRequest(struct {
+		io.Reader
+		io.Writer
+	}{io.MultiReader(bytes.NewReader([]byte{socks5.VersionSOCKS5, 1, socks5.MethodNoAuth}), bytes.NewReader(b[:n])), io.Discard}, socks5.ServerConfig{})
+	if err != nil {
+		return nil
+	}
+	return req
+}
+
+// serveRequest answers req (read from c) and relays its tunnel.
+func (s *socksUpstream) serveRequest(c net.Conn, req *socks5.Request) {
 	s.mu.Lock()
 	s.targets = append(s.targets, req.Dest.String())
 	s.mu.Unlock()

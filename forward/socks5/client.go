@@ -20,8 +20,10 @@ type Client struct {
 	// (username/password when a username is given, else no-auth), so that
 	// the upstream's choice cannot change how the bytes that follow it are
 	// read. RFC 1928 does not promise that a server keeps bytes that arrive
-	// before it answers; use it with upstreams known to (Dante 1.4 and
-	// ReadRequest do, see the tests).
+	// before it answers (Dante 1.4 and ReadRequest do, see the tests of
+	// package forward and of this package). With
+	// a username, a server that does not is told by ErrPipelineUnanswered;
+	// without one, its silence looks like a slow destination's.
 	Pipeline bool
 }
 
@@ -38,7 +40,8 @@ type Client struct {
 // Errors: *ReplyError for a non-zero reply (see DestinationFault);
 // ErrAuthRejected when the upstream selects 0xFF or refuses the credentials;
 // ErrMalformed (wrapping the detail, and io.EOF or io.ErrUnexpectedEOF when
-// the upstream closed early) for answers that are not SOCKS5; ErrBadAddress
+// the upstream closed early) for answers that are not SOCKS5;
+// ErrPipelineUnanswered (see Client.Pipeline); ErrBadAddress
 // and ErrBadCredentials for arguments that cannot be sent (nothing is
 // written then); otherwise the network error, wrapped (a timeout satisfies
 // errors.Is(err, os.ErrDeadlineExceeded)).
@@ -91,13 +94,17 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 				return Addr{}, fmt.Errorf("writing username/password: %w", err)
 			}
 		}
-		if err := readFull(rw, buf[:2], "authentication status"); err != nil {
-			return Addr{}, err
-		}
+		err := readFull(rw, buf[:2], "authentication status")
 		// Some servers put the SOCKS version (5) instead of the
 		// subnegotiation version (1) here; the status is what matters.
-		if buf[0] != VersionUserPass && buf[0] != VersionSOCKS5 {
-			return Addr{}, malformed(fmt.Sprintf("authentication status version 0x%02x", buf[0]), nil)
+		if err == nil && buf[0] != VersionUserPass && buf[0] != VersionSOCKS5 {
+			err = malformed(fmt.Sprintf("authentication status version 0x%02x", buf[0]), nil)
+		}
+		if err != nil {
+			if c.Pipeline {
+				err = fmt.Errorf("%w: %w", ErrPipelineUnanswered, err)
+			}
+			return Addr{}, err
 		}
 		if buf[1] != UserPassSucceeded {
 			return Addr{}, fmt.Errorf("%w: status 0x%02x", ErrAuthRejected, buf[1])

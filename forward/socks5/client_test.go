@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"testing"
+	"time"
 )
 
 // upstreamScript is a tiny scripted SOCKS5 upstream: it answers the
@@ -374,9 +375,73 @@ func TestClientPipelineOverLoopback(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			client, server := loopbackPair(t)
 			goOwned(t, func() { upstreamScript{method: c.method}.run(server) })
-			if _, err := pipelined.Handshake(client, exampleDst, "u", "p"); !errors.Is(err, c.want) {
-				t.Fatalf("err = %v, want %v", err, c.want)
+			_, err := pipelined.Handshake(client, exampleDst, "u", "p")
+			if !errors.Is(err, c.want) || errors.Is(err, ErrPipelineUnanswered) {
+				t.Fatalf("err = %v, want %v (the greeting's answer was usable)", err, c.want)
 			}
 		})
 	}
+}
+
+// A pipelined handshake whose greeting was answered and whose credentials
+// got no usable answer says so (ErrPipelineUnanswered), whatever the
+// upstream did instead; an answer to the credentials, even a refusal, and
+// the same failures one message at a time do not.
+func TestClientPipelineUnanswered(t *testing.T) {
+	pipelined := Client{Pipeline: true}
+	for _, c := range []struct {
+		name   string
+		status []byte // the upstream's answer to the credentials; nil: it closes
+	}{
+		{"closed after the greeting's answer", nil},
+		{"status of another protocol", []byte{9, 0}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			client, server := loopbackPair(t)
+			goOwned(t, func() { upstreamScript{method: []byte{5, 2}, authStatus: c.status}.run(server) })
+			_, err := pipelined.Handshake(client, exampleDst, "u", "p")
+			if !errors.Is(err, ErrPipelineUnanswered) {
+				t.Fatalf("err = %v, want ErrPipelineUnanswered", err)
+			}
+
+			client, server = loopbackPair(t)
+			goOwned(t, func() { upstreamScript{method: []byte{5, 2}, authStatus: c.status}.run(server) })
+			_, err = ClientHandshake(client, exampleDst, "u", "p")
+			client.Close()
+			if err == nil || errors.Is(err, ErrPipelineUnanswered) {
+				t.Fatalf("one message at a time: err = %v, want a failure that is not ErrPipelineUnanswered", err)
+			}
+		})
+	}
+
+	t.Run("silent: the upstream dropped what came with the greeting", func(t *testing.T) {
+		client, server := loopbackPair(t)
+		goOwned(t, func() {
+			defer server.Close()
+			// One read takes the greeting and what came with it; only the
+			// greeting is used, the rest is gone. Then it waits for the
+			// credentials that already came.
+			b := make([]byte, 512)
+			if n, err := server.Read(b); err != nil || n < 3 {
+				return
+			}
+			server.Write([]byte{5, 2})
+			server.Read(b)
+		})
+		client.SetDeadline(time.Now().Add(200 * time.Millisecond))
+		_, err := pipelined.Handshake(client, exampleDst, "u", "p")
+		client.Close()
+		if !errors.Is(err, ErrPipelineUnanswered) || !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("err = %v, want ErrPipelineUnanswered wrapping the deadline", err)
+		}
+	})
+
+	t.Run("credentials refused", func(t *testing.T) {
+		client, server := loopbackPair(t)
+		goOwned(t, func() { upstreamScript{method: []byte{5, 2}, authStatus: []byte{1, 1}}.run(server) })
+		_, err := pipelined.Handshake(client, exampleDst, "u", "p")
+		if !errors.Is(err, ErrAuthRejected) || errors.Is(err, ErrPipelineUnanswered) {
+			t.Fatalf("err = %v, want ErrAuthRejected alone", err)
+		}
+	})
 }

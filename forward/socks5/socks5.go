@@ -87,6 +87,14 @@ var (
 	// version, an unknown method or address type, a truncated message).
 	// The returned error wraps it together with the detail.
 	ErrMalformed = errors.New("socks5: malformed message")
+	// ErrPipelineUnanswered: a pipelined handshake (Client.Pipeline with a
+	// username) had its greeting answered and then no usable answer to the
+	// credentials sent along with it: the upstream closed, sent something
+	// that is not an RFC 1929 status, or stayed silent until the deadline.
+	// A server that drops bytes arriving before its answer looks like this,
+	// and the same server may work one message at a time. The returned
+	// error wraps it together with the cause.
+	ErrPipelineUnanswered = errors.New("socks5: pipelined credentials unanswered")
 	// ErrBadAddress: an address given to ClientHandshake or WriteReply
 	// cannot be sent: not an IP literal without zone nor a domain name of
 	// 1–255 letters, digits, '-', '_' and '.'.
