@@ -652,9 +652,8 @@ func (a *answerLog) silent(id string, since time.Time) bool {
 // otherwise fail is what the client is told.
 func (l *Listener) openTunnel(ctx context.Context, key string, dest socks5.Addr) (conn net.Conn, u *pool.Upstream, retries int, fail *answer) {
 	j := &job{key: key, do: func(ctx context.Context, up *pool.Upstream) tryResult {
-		start := time.Now()
-		c, aerr := l.dialer.tunnel(ctx, up, dest)
-		r := tryResult{conn: c, took: time.Since(start), dialed: aerr == nil}
+		c, took, aerr := l.dialer.tunnel(ctx, up, dest)
+		r := tryResult{conn: c, took: took, dialed: aerr == nil}
 		if aerr != nil {
 			r.h, r.err = aerr.h, aerr.err
 		}

@@ -13,6 +13,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -27,15 +28,46 @@ type dialer struct {
 	handshakeTimeout time.Duration
 	net              net.Dialer
 	log              *slog.Logger
-	// oneAtATime holds the addresses of SOCKS5 upstreams that left a
-	// pipelined handshake unanswered (see tunnel); they get one message at
-	// a time for the rest of the listener's life. One entry per such
-	// upstream, never removed.
-	oneAtATime sync.Map // string → struct{}
+	pipelining       *pipelineBook // shared with the listener's successors (Succeed)
+}
+
+// pipelineBook is what SOCKS5 upstreams with credentials showed of
+// pipelined handshakes (see dialer.tunnel), by address: true once one
+// worked (or ended in the upstream's verdict), false once one failed
+// where one message at a time might not have.
+type pipelineBook struct {
+	m sync.Map // upstream address → bool
+	n atomic.Int64
+}
+
+// maxPipelineBook bounds the book (about 100 bytes an entry); upstreams
+// past it get one message at a time.
+const maxPipelineBook = 1 << 16
+
+// lookup says whether to pipeline the handshake with the upstream at addr,
+// and whether that is known to work there.
+func (b *pipelineBook) lookup(addr string) (pipeline, known bool) {
+	if v, ok := b.m.Load(addr); ok {
+		return v.(bool), v.(bool)
+	}
+	return b.n.Load() < maxPipelineBook, false
+}
+
+// learn records what the upstream at addr showed, unless something was
+// recorded first; it reports whether this was the first.
+func (b *pipelineBook) learn(addr string, works bool) bool {
+	if b.n.Load() >= maxPipelineBook {
+		return false
+	}
+	if _, loaded := b.m.LoadOrStore(addr, works); loaded {
+		return false
+	}
+	b.n.Add(1)
+	return true
 }
 
 func newDialer(cfg Config, log *slog.Logger) *dialer {
-	d := &dialer{dialTimeout: cfg.DialTimeout, handshakeTimeout: cfg.HandshakeTimeout, log: log}
+	d := &dialer{dialTimeout: cfg.DialTimeout, handshakeTimeout: cfg.HandshakeTimeout, log: log, pipelining: new(pipelineBook)}
 	d.net.Timeout = cfg.DialTimeout
 	// Keep-alive probes after 30 s of silence keep NAT mappings of quiet
 	// tunnels alive. How soon a dead upstream is given up (probe interval
@@ -109,39 +141,56 @@ func isTimeout(err error) bool {
 // tunnel opens a connection to dest through u: TCP to the upstream, then
 // CONNECT or the SOCKS5 handshake. On success the returned conn carries the
 // destination's bytes (including any the upstream sent right behind its
-// answer).
+// answer). took is how long the try that decided took.
 //
 // A SOCKS5 upstream with credentials gets the greeting, the credentials and
 // the request in one write (socks5.Client.Pipeline): two round trips fewer
 // per tunnel, which on a remote gateway is most of a tunnel's set-up time.
 // RFC 1928 does not promise that a server keeps bytes that come before its
-// answer. One that answers the greeting and then not the credentials
-// (socks5.ErrPipelineUnanswered: it closed, answered garbage or stayed
-// silent for handshake_timeout) is not blamed for it: the same attempt
-// asks it again one message at a time on a new connection, within what is
-// left of retry_timeout, and so does every later one.
-func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr) (net.Conn, *attemptError) {
-	pipeline := u.Protocol == pool.SOCKS5 && u.Username != ""
-	if pipeline {
-		_, seq := d.oneAtATime.Load(u.Address)
-		pipeline = !seq
+// answer. Until a pipelined handshake has worked with an upstream (or ended
+// in a reply code, which says the request was read), one that fails after
+// the greeting's answer (socks5.ErrPipelineFailed: a refusal of the one
+// method offered, or no usable answer to the credentials or the request
+// before handshake_timeout) is not blamed for it: the same attempt asks it
+// again one message at a time on a new connection, within what is left of
+// retry_timeout, and so does every later one. An upstream whose first
+// pipelined tunnel waits on a destination slower than handshake_timeout
+// is taken for one that drops bytes: it only loses the round trips saved.
+func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr) (c net.Conn, took time.Duration, derr *attemptError) {
+	pipeline, known := false, false
+	if u.Protocol == pool.SOCKS5 && u.Username != "" {
+		pipeline, known = d.pipelining.lookup(u.Address)
 	}
-	c, derr := d.tunnelOnce(ctx, u, dest, pipeline)
-	if pipeline && derr != nil && errors.Is(derr.err, socks5.ErrPipelineUnanswered) {
-		if _, seen := d.oneAtATime.LoadOrStore(u.Address, struct{}{}); !seen {
-			d.log.Info("SOCKS5 upstream left a pipelined handshake unanswered; it gets one message at a time from now on",
-				"upstream", u.Address, "err", derr.err)
+	start := time.Now()
+	c, derr, pipelineFailed := d.tunnelOnce(ctx, u, dest, pipeline)
+	if !pipeline || known {
+		return c, time.Since(start), derr
+	}
+	if !pipelineFailed {
+		if derr == nil || derr.h.what == wSOCKSReply {
+			d.pipelining.learn(u.Address, true)
 		}
-		return d.tunnelOnce(ctx, u, dest, false)
+		return c, time.Since(start), derr
 	}
-	return c, derr
+	if d.pipelining.learn(u.Address, false) {
+		d.log.Info("SOCKS5 upstream failed a pipelined handshake; it gets one message at a time from now on",
+			"upstream", u.Address, "err", derr.err)
+	}
+	if derr.h.what == wClientGone || derr.h.what == wBudget {
+		return c, time.Since(start), derr
+	}
+	start = time.Now()
+	c, derr, _ = d.tunnelOnce(ctx, u, dest, false)
+	return c, time.Since(start), derr
 }
 
-// tunnelOnce is one try of tunnel, on one new connection.
-func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.Addr, pipeline bool) (net.Conn, *attemptError) {
+// tunnelOnce is one try of tunnel, on one new connection; pipelineFailed
+// reports a pipelined handshake's socks5.ErrPipelineFailed, also when the
+// client left or the budget ended before the answer could come.
+func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.Addr, pipeline bool) (_ net.Conn, _ *attemptError, pipelineFailed bool) {
 	c, derr := d.dialTCP(ctx, u)
 	if derr != nil {
-		return nil, derr
+		return nil, derr, false
 	}
 	start := time.Now()
 	deadline := start.Add(d.handshakeTimeout)
@@ -160,18 +209,19 @@ func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.A
 	}
 	if stop() && derr == nil {
 		_ = c.SetDeadline(time.Time{})
-		return out, nil
+		return out, nil, false
 	}
 	_ = c.Close()
+	pipelineFailed = derr != nil && errors.Is(derr.err, socks5.ErrPipelineFailed)
 	if ctx.Err() != nil && !upstreamTimeout(ctx) {
-		return nil, failed(wClientGone, context.Cause(ctx))
+		return nil, failed(wClientGone, context.Cause(ctx)), pipelineFailed
 	}
 	if derr == nil || isTimeout(derr.err) && cutByBudget(ctx, start, d.handshakeTimeout) {
 		// The budget ran out before handshake_timeout did (or just as the
 		// answer came).
 		derr = failed(wBudget, errAttemptTimeout)
 	}
-	return nil, derr
+	return nil, derr, pipelineFailed
 }
 
 // socksHandshake reads the upstream's answers through a small buffer: a

@@ -323,9 +323,32 @@ func TestDanteUpstream(t *testing.T) {
 		t.Errorf("reports %+v", r)
 	}
 
-	// Dante keeps what comes behind the greeting: a pipelined handshake
-	// (without credentials: this Dante takes none) opens the tunnel.
+	// This Dante takes no credentials: given some, proxyd pipelines, Dante
+	// refuses the one method offered (username/password), and the same
+	// attempt gets the tunnel one message at a time, offering no-auth too.
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	withCreds := &pool.Upstream{Service: 1, Protocol: pool.SOCKS5, Address: addr, Username: "u", Password: "p"}
+	p = newFakePool(withCreds)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	for range 2 {
+		tc, br, resp := rawConnect(t, tl.addr, echo, "")
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("CONNECT through Dante with credentials: %s", resp.Status)
+		}
+		_, _ = io.WriteString(tc, "ping")
+		b := make([]byte, 4)
+		if _, err := io.ReadFull(br, b); err != nil || string(b) != "ping" {
+			t.Fatalf("echo through Dante %q, %v", b, err)
+		}
+		tc.Close()
+	}
+	p.waitBalanced(t)
+	if r := p.Reports(); len(r) != 2 || r[0].res != pool.Success || r[1].res != pool.Success {
+		t.Errorf("reports %+v, want two successes", r)
+	}
+
+	// Dante keeps what comes behind the greeting: a pipelined handshake
+	// without credentials opens the tunnel.
 	c, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)

@@ -112,9 +112,14 @@ func NewListener(cfg Config, p Pool, obs Observer, logger *slog.Logger) (*Listen
 // Succeed makes l the successor of prev, a listener of the same name that
 // is being retired with connections still open: those count against l's
 // max_connections for as long as they last, so a reload does not lift the
-// cap. Call it before l serves.
+// cap, and l keeps what prev learned of its upstreams' SOCKS5 handshakes.
+// Call it before l serves.
 func (l *Listener) Succeed(prev *Listener) {
 	l.capped = prev.capped
+	// What the upstreams showed of pipelined SOCKS5 handshakes stays
+	// known: a reload does not make the first tunnels through one that
+	// drops early bytes wait handshake_timeout again.
+	l.dialer.pipelining = prev.dialer.pipelining
 }
 
 type nopObserver struct{}

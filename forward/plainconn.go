@@ -129,17 +129,19 @@ func (pcs *plainConns) send(ctx context.Context, pc *plainConn, u *pool.Upstream
 }
 
 func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, dest socks5.Addr) (*plainConn, error) {
-	start := time.Now()
 	var (
 		c    net.Conn
+		took time.Duration
 		derr *attemptError
 	)
 	if u.Protocol == pool.SOCKS5 {
-		c, derr = pcs.d.tunnel(ctx, u, dest)
+		c, took, derr = pcs.d.tunnel(ctx, u, dest)
 	} else {
+		start := time.Now()
 		c, derr = pcs.d.dialTCP(ctx, u)
+		took = time.Since(start)
 	}
-	recordDial(ctx, derr, time.Since(start))
+	recordDial(ctx, derr, took)
 	if derr != nil {
 		return nil, derr
 	}

@@ -176,9 +176,8 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 			if err != nil {
 				return nil, err
 			}
-			start := time.Now()
-			c, derr := d.tunnel(ctx, u, socks5.Addr{Host: host, Port: port})
-			recordDial(ctx, derr, time.Since(start))
+			c, took, derr := d.tunnel(ctx, u, socks5.Addr{Host: host, Port: port})
+			recordDial(ctx, derr, took)
 			if derr != nil {
 				return nil, derr
 			}

@@ -83,6 +83,7 @@ type fakePool struct {
 	next     int
 	picks    []pool.Request
 	reports  []report
+	tooks    []time.Duration // the durations reported, in the order of reports
 	released int
 	picked   int
 }
@@ -119,10 +120,17 @@ func (p *fakePool) Pick(ctx context.Context, req pool.Request) (*pool.Upstream, 
 	return nil, errors.New("no usable upstream")
 }
 
-func (p *fakePool) Report(u *pool.Upstream, r pool.Result, _ time.Duration) {
+func (p *fakePool) Report(u *pool.Upstream, r pool.Result, took time.Duration) {
 	p.mu.Lock()
 	p.reports = append(p.reports, report{u.ID(), r})
+	p.tooks = append(p.tooks, took)
 	p.mu.Unlock()
+}
+
+func (p *fakePool) Tooks() []time.Duration {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]time.Duration(nil), p.tooks...)
 }
 
 func (p *fakePool) Release(*pool.Upstream) {

@@ -20,10 +20,11 @@ type Client struct {
 	// (username/password when a username is given, else no-auth), so that
 	// the upstream's choice cannot change how the bytes that follow it are
 	// read. RFC 1928 does not promise that a server keeps bytes that arrive
-	// before it answers (Dante 1.4 and ReadRequest do, see the tests of
-	// package forward and of this package). With
-	// a username, a server that does not is told by ErrPipelineUnanswered;
-	// without one, its silence looks like a slow destination's.
+	// before it answers (ReadRequest does, and Dante 1.4 keeps a request
+	// sent behind its greeting; see the tests of this package and of
+	// package forward). With a username, a failure where one message at a
+	// time might have worked is told by ErrPipelineFailed; without one, a
+	// silence after the greeting looks like a slow destination's.
 	Pipeline bool
 }
 
@@ -41,7 +42,7 @@ type Client struct {
 // ErrAuthRejected when the upstream selects 0xFF or refuses the credentials;
 // ErrMalformed (wrapping the detail, and io.EOF or io.ErrUnexpectedEOF when
 // the upstream closed early) for answers that are not SOCKS5;
-// ErrPipelineUnanswered (see Client.Pipeline); ErrBadAddress
+// ErrPipelineFailed (see Client.Pipeline); ErrBadAddress
 // and ErrBadCredentials for arguments that cannot be sent (nothing is
 // written then); otherwise the network error, wrapped (a timeout satisfies
 // errors.Is(err, os.ErrDeadlineExceeded)).
@@ -58,6 +59,15 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 		return Addr{}, ErrBadCredentials
 	}
 	var buf [clientBufSize]byte
+	// A pipelined handshake with credentials that fails once the greeting
+	// was answered, other than by the upstream's verdict (credentials
+	// refused, a reply code), says so: ErrPipelineFailed.
+	piped, answered, verdict := c.Pipeline && user != "", false, false
+	defer func() {
+		if err != nil && piped && answered && !verdict {
+			err = fmt.Errorf("%w: %w", ErrPipelineFailed, err)
+		}
+	}()
 
 	// Greeting, and in a pipeline everything else too.
 	var b []byte
@@ -83,6 +93,7 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 	if buf[0] != VersionSOCKS5 {
 		return Addr{}, malformed(fmt.Sprintf("method selection version 0x%02x", buf[0]), nil)
 	}
+	answered = true
 	switch m := buf[1]; {
 	case m == MethodNoAcceptable:
 		return Addr{}, ErrAuthRejected
@@ -94,19 +105,16 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 				return Addr{}, fmt.Errorf("writing username/password: %w", err)
 			}
 		}
-		err := readFull(rw, buf[:2], "authentication status")
-		// Some servers put the SOCKS version (5) instead of the
-		// subnegotiation version (1) here; the status is what matters.
-		if err == nil && buf[0] != VersionUserPass && buf[0] != VersionSOCKS5 {
-			err = malformed(fmt.Sprintf("authentication status version 0x%02x", buf[0]), nil)
-		}
-		if err != nil {
-			if c.Pipeline {
-				err = fmt.Errorf("%w: %w", ErrPipelineUnanswered, err)
-			}
+		if err := readFull(rw, buf[:2], "authentication status"); err != nil {
 			return Addr{}, err
 		}
+		// Some servers put the SOCKS version (5) instead of the
+		// subnegotiation version (1) here; the status is what matters.
+		if buf[0] != VersionUserPass && buf[0] != VersionSOCKS5 {
+			return Addr{}, malformed(fmt.Sprintf("authentication status version 0x%02x", buf[0]), nil)
+		}
 		if buf[1] != UserPassSucceeded {
+			verdict = true
 			return Addr{}, fmt.Errorf("%w: status 0x%02x", ErrAuthRejected, buf[1])
 		}
 	default:
@@ -130,6 +138,7 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 	if buf[1] != ReplySucceeded {
 		// The bound address of a failure reply carries nothing of use and
 		// the connection is done; it is not read.
+		verdict = true
 		return Addr{}, &ReplyError{Code: buf[1]}
 	}
 	switch atyp := buf[3]; atyp {

@@ -375,18 +375,21 @@ func TestClientPipelineOverLoopback(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			client, server := loopbackPair(t)
 			goOwned(t, func() { upstreamScript{method: c.method}.run(server) })
+			// One message at a time offers no-auth as well: these may be
+			// the pipeline's doing.
 			_, err := pipelined.Handshake(client, exampleDst, "u", "p")
-			if !errors.Is(err, c.want) || errors.Is(err, ErrPipelineUnanswered) {
-				t.Fatalf("err = %v, want %v (the greeting's answer was usable)", err, c.want)
+			if !errors.Is(err, c.want) || !errors.Is(err, ErrPipelineFailed) {
+				t.Fatalf("err = %v, want %v and ErrPipelineFailed", err, c.want)
 			}
 		})
 	}
 }
 
 // A pipelined handshake whose greeting was answered and whose credentials
-// got no usable answer says so (ErrPipelineUnanswered), whatever the
-// upstream did instead; an answer to the credentials, even a refusal, and
-// the same failures one message at a time do not.
+// or request got no usable answer says so (ErrPipelineFailed), whatever
+// the upstream did instead; a verdict (credentials refused, a reply code),
+// a failure before the greeting's answer, and the same failures one message
+// at a time do not.
 func TestClientPipelineUnanswered(t *testing.T) {
 	pipelined := Client{Pipeline: true}
 	for _, c := range []struct {
@@ -395,21 +398,22 @@ func TestClientPipelineUnanswered(t *testing.T) {
 	}{
 		{"closed after the greeting's answer", nil},
 		{"status of another protocol", []byte{9, 0}},
+		{"closed after the credentials' answer", []byte{1, 0}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			client, server := loopbackPair(t)
 			goOwned(t, func() { upstreamScript{method: []byte{5, 2}, authStatus: c.status}.run(server) })
 			_, err := pipelined.Handshake(client, exampleDst, "u", "p")
-			if !errors.Is(err, ErrPipelineUnanswered) {
-				t.Fatalf("err = %v, want ErrPipelineUnanswered", err)
+			if !errors.Is(err, ErrPipelineFailed) {
+				t.Fatalf("err = %v, want ErrPipelineFailed", err)
 			}
 
 			client, server = loopbackPair(t)
 			goOwned(t, func() { upstreamScript{method: []byte{5, 2}, authStatus: c.status}.run(server) })
 			_, err = ClientHandshake(client, exampleDst, "u", "p")
 			client.Close()
-			if err == nil || errors.Is(err, ErrPipelineUnanswered) {
-				t.Fatalf("one message at a time: err = %v, want a failure that is not ErrPipelineUnanswered", err)
+			if err == nil || errors.Is(err, ErrPipelineFailed) {
+				t.Fatalf("one message at a time: err = %v, want a failure that is not ErrPipelineFailed", err)
 			}
 		})
 	}
@@ -431,8 +435,8 @@ func TestClientPipelineUnanswered(t *testing.T) {
 		client.SetDeadline(time.Now().Add(200 * time.Millisecond))
 		_, err := pipelined.Handshake(client, exampleDst, "u", "p")
 		client.Close()
-		if !errors.Is(err, ErrPipelineUnanswered) || !errors.Is(err, os.ErrDeadlineExceeded) {
-			t.Fatalf("err = %v, want ErrPipelineUnanswered wrapping the deadline", err)
+		if !errors.Is(err, ErrPipelineFailed) || !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("err = %v, want ErrPipelineFailed wrapping the deadline", err)
 		}
 	})
 
@@ -440,8 +444,29 @@ func TestClientPipelineUnanswered(t *testing.T) {
 		client, server := loopbackPair(t)
 		goOwned(t, func() { upstreamScript{method: []byte{5, 2}, authStatus: []byte{1, 1}}.run(server) })
 		_, err := pipelined.Handshake(client, exampleDst, "u", "p")
-		if !errors.Is(err, ErrAuthRejected) || errors.Is(err, ErrPipelineUnanswered) {
+		if !errors.Is(err, ErrAuthRejected) || errors.Is(err, ErrPipelineFailed) {
 			t.Fatalf("err = %v, want ErrAuthRejected alone", err)
+		}
+	})
+
+	t.Run("reply code", func(t *testing.T) {
+		client, server := loopbackPair(t)
+		goOwned(t, func() {
+			upstreamScript{method: []byte{5, 2}, authStatus: []byte{1, 0}, reply: []byte{5, ReplyHostUnreachable, 0, AtypIPv4, 0, 0, 0, 0, 0, 0}}.run(server)
+		})
+		var re *ReplyError
+		_, err := pipelined.Handshake(client, exampleDst, "u", "p")
+		if !errors.As(err, &re) || errors.Is(err, ErrPipelineFailed) {
+			t.Fatalf("err = %v, want the reply code alone", err)
+		}
+	})
+
+	t.Run("closed before the greeting's answer", func(t *testing.T) {
+		client, server := loopbackPair(t)
+		goOwned(t, func() { upstreamScript{}.run(server) })
+		_, err := pipelined.Handshake(client, exampleDst, "u", "p")
+		if err == nil || errors.Is(err, ErrPipelineFailed) {
+			t.Fatalf("err = %v, want a failure that is not ErrPipelineFailed", err)
 		}
 	})
 }

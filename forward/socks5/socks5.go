@@ -87,14 +87,18 @@ var (
 	// version, an unknown method or address type, a truncated message).
 	// The returned error wraps it together with the detail.
 	ErrMalformed = errors.New("socks5: malformed message")
-	// ErrPipelineUnanswered: a pipelined handshake (Client.Pipeline with a
-	// username) had its greeting answered and then no usable answer to the
-	// credentials sent along with it: the upstream closed, sent something
-	// that is not an RFC 1929 status, or stayed silent until the deadline.
-	// A server that drops bytes arriving before its answer looks like this,
-	// and the same server may work one message at a time. The returned
-	// error wraps it together with the cause.
-	ErrPipelineUnanswered = errors.New("socks5: pipelined credentials unanswered")
+	// ErrPipelineFailed: a pipelined handshake (Client.Pipeline with a
+	// username) failed after the upstream answered the greeting, where one
+	// message at a time might not have: the upstream refused the one method
+	// offered (0xFF; one message at a time offers no-auth too) or selected
+	// no-auth though it was not offered, or gave no usable answer to the
+	// credentials or the request sent along with the greeting (it closed,
+	// answered something else, or stayed silent until the deadline), as a
+	// server does that drops bytes arriving before its answer. A refusal of
+	// the credentials and a reply with a failure code are answers, not
+	// this. The returned error wraps it together with the cause
+	// (ErrAuthRejected, ErrMalformed, the network error).
+	ErrPipelineFailed = errors.New("socks5: pipelined handshake failed")
 	// ErrBadAddress: an address given to ClientHandshake or WriteReply
 	// cannot be sent: not an IP literal without zone nor a domain name of
 	// 1–255 letters, digits, '-', '_' and '.'.
