@@ -154,7 +154,7 @@ func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id
 	p.event(Event{Kind: EventListUpdateRequested, Service: id, Reason: "errored or inactive IPs held the configured share"})
 	_, err := client.UpdateService(ctx, id, ServiceUpdate{UpdateList: true})
 	p.beat(LoopStatus)
-	next, _, _, limited := p.rateLimited(err)
+	limit := p.rateLimited(err)
 	switch {
 	case err == nil:
 		p.log.Info("new IP list requested", "service", id)
@@ -164,16 +164,16 @@ func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id
 		}
 		p.changed()
 		p.event(Event{Kind: EventListUpdated, Service: id, Result: ResultOK, Reason: "the provider replaced the IP list"})
-	case limited:
+	case limit.ok:
 		p.mu.Lock()
 		if m := p.manage[id]; m != nil && p.gen == gen {
-			m.nextAllowed = next
+			m.nextAllowed = limit.until
 		}
 		p.mu.Unlock()
-		p.log.Warn("new IP list refused until the provider's next allowed time", "service", id, "next", next.UTC())
-		p.logRateLimitCapped(err, "requesting a new IP list", "service", id)
+		p.log.Warn("new IP list refused until the provider's next allowed time", "service", id, "next", limit.until.UTC())
+		p.logRateLimitCapped(limit, "requesting a new IP list", "service", id)
 		p.event(Event{Kind: EventListUpdateFailed, Service: id, Result: ResultRateLimited,
-			Reason: "rate limited until " + next.UTC().Format(time.DateTime) + " UTC"})
+			Reason: "rate limited until " + limit.until.UTC().Format(time.DateTime) + " UTC"})
 	default:
 		p.log.Warn("requesting a new IP list failed", "service", id, "err", err)
 		p.event(Event{Kind: EventListUpdateFailed, Service: id, Result: ResultError, Reason: err.Error()})

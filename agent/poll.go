@@ -508,19 +508,18 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon
 	failures := c.failures
 	p.mu.Unlock()
 	next, wait := r.next, time.Duration(0)
-	var notBefore time.Time
+	limit := p.rateLimited(err)
 	switch {
 	case err != nil:
-		wait = p.nextWait(p.interval(l), failures, err)
+		wait = p.nextWait(p.interval(l), failures, limit)
 		next = p.now().Add(wait)
-		notBefore, _, _, _ = p.rateLimited(err)
 	case soon:
 		if t := p.now().Add(p.jitter(confirmWait(p.interval(l)))); t.Before(next) {
 			next = t
 		}
 	}
 	p.mu.Lock()
-	c.next, c.notBefore = next, notBefore
+	c.next, c.notBefore = next, limit.until
 	p.mu.Unlock()
 	if err == nil {
 		failures = before // a recovery is logged with the failures it ends
@@ -532,32 +531,32 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon
 	if u.part != "" {
 		what = append(what, "list", u.part)
 	}
-	p.logPoll(l, err, failures, wait, what...)
+	p.logPoll(l, err, limit, failures, wait, what...)
 }
 
 // logPoll logs the outcome of one poll in loop l: a failure with the
 // failures in a row and the wait before the next try (and a 429's time
-// beyond the longest wait), or, with err nil, a recovery after failures
-// (none logged when failures is 0). what names the service polled, as
-// slog key-value pairs.
-func (p *Poller) logPoll(l Loop, err error, failures int, wait time.Duration, what ...any) {
+// beyond the longest wait, from limit), or, with err nil, a recovery after
+// failures (none logged when failures is 0). what names the service
+// polled, as slog key-value pairs.
+func (p *Poller) logPoll(l Loop, err error, limit rateLimit, failures int, wait time.Duration, what ...any) {
 	attrs := slices.Concat([]any{"loop", l.String()}, what)
 	switch {
 	case err != nil:
 		p.log.Warn("provider API poll failed", slices.Concat(attrs,
 			[]any{"err", err, "failures", failures, "retry_in", wait.Round(time.Millisecond)})...)
-		p.logRateLimitCapped(err, "polling", attrs...)
+		p.logRateLimitCapped(limit, "polling", attrs...)
 	case failures > 0:
 		p.log.Info("provider API poll recovered", slices.Concat(attrs, []any{"after_failures", failures})...)
 	}
 }
 
-// logRateLimitCapped logs that the 429 in err named a time beyond
+// logRateLimitCapped logs that a 429 named a time beyond
 // maxRateLimitWait, so that doing (a gerund) is tried again before it.
-func (p *Poller) logRateLimitCapped(err error, doing string, attrs ...any) {
-	if _, named, capped, _ := p.rateLimited(err); capped {
+func (p *Poller) logRateLimitCapped(limit rateLimit, doing string, attrs ...any) {
+	if limit.capped {
 		p.log.Warn("the provider's next allowed time is beyond the longest wait; "+doing+" again before it",
-			slices.Concat(attrs, []any{"next_allowed", named.UTC(), "longest_wait", maxRateLimitWait})...)
+			slices.Concat(attrs, []any{"next_allowed", limit.named.UTC(), "longest_wait", maxRateLimitWait})...)
 	}
 }
 
@@ -660,45 +659,55 @@ func (p *Poller) jitter(d time.Duration) time.Duration {
 	return time.Duration(float64(d) * f)
 }
 
-// nextWait is the time until a loop's next round: the interval with
-// jitter after a success; after failures the backoff, and never before the
-// time a 429 named, as far as rateLimited allows.
-func (p *Poller) nextWait(interval time.Duration, failures int, err error) time.Duration {
-	if err == nil {
+// nextWait is the time until a unit's next poll: the interval with
+// jitter after a success (failures 0); after failures the backoff, and
+// never before limit.until, the time a 429 named as far as rateLimited
+// allows.
+func (p *Poller) nextWait(interval time.Duration, failures int, limit rateLimit) time.Duration {
+	if failures == 0 {
 		return p.jitter(interval)
 	}
 	wait := p.backoff(interval, failures)
-	if until, _, _, ok := p.rateLimited(err); ok {
-		wait = max(wait, until.Sub(p.now()))
+	if limit.ok {
+		wait = max(wait, limit.until.Sub(p.now()))
 	}
 	return wait
 }
 
-// rateLimited reports whether err is a 429 (ok), and until when it asks
-// to wait: the time it names (named, zero if none), at least
-// minRateLimitWait and at most maxRateLimitWait from now. A Retry-After
-// may name up to 2^31 s, and a loop or list update parked that long would
-// never try again; after the hour it asks again, and a 429 that names the
-// time again is honoured again. capped reports that named was further
-// away than the hour. The one rule for the poll loops and list updates.
-func (p *Poller) rateLimited(err error) (until, named time.Time, capped, ok bool) {
+// rateLimit is what a 429 asks of the poller (Poller.rateLimited); the
+// zero value is an error that is no 429, or none.
+type rateLimit struct {
+	ok     bool      // the error is a 429
+	until  time.Time // not to be tried before then
+	named  time.Time // the time the 429 named, zero if none
+	capped bool      // named was beyond maxRateLimitWait, so until is earlier
+}
+
+// rateLimited reports whether err is a 429, and until when it asks to
+// wait: the time it names, at least minRateLimitWait and at most
+// maxRateLimitWait from now. A Retry-After may name up to 2^31 s, and a
+// loop or list update parked that long would never try again; after the
+// hour it asks again, and a 429 that names the time again is honoured
+// again. The one rule for the poll loops and list updates; computed once
+// per failure and passed on.
+func (p *Poller) rateLimited(err error) rateLimit {
 	var apiErr *APIError
 	isAPI := errors.As(err, &apiErr)
 	if !errors.Is(err, ErrTooManyAttempts) && !(isAPI && apiErr.Status == 429) {
-		return time.Time{}, time.Time{}, false, false
+		return rateLimit{}
 	}
 	now := p.now()
-	until = now.Add(minRateLimitWait)
+	r := rateLimit{ok: true, until: now.Add(minRateLimitWait)}
 	if isAPI {
-		named = apiErr.NextAllowed
+		r.named = apiErr.NextAllowed
 	}
-	if named.After(until) {
-		until = named
+	if r.named.After(r.until) {
+		r.until = r.named
 	}
-	if limit := now.Add(maxRateLimitWait); until.After(limit) {
-		until, capped = limit, true
+	if longest := now.Add(maxRateLimitWait); r.until.After(longest) {
+		r.until, r.capped = longest, true
 	}
-	return until, named, capped, true
+	return r
 }
 
 // backoff after n consecutive failures: starting at the smaller of the

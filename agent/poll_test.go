@@ -258,14 +258,14 @@ func TestPollerWaits(t *testing.T) {
 	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
 	p.now = func() time.Time { return now }
 	for range 100 {
-		if w := p.nextWait(10*time.Second, 0, nil); w < 9*time.Second || w > 11*time.Second {
+		if w := p.nextWait(10*time.Second, 0, p.rateLimited(nil)); w < 9*time.Second || w > 11*time.Second {
 			t.Fatalf("success wait %v outside interval ±10%%", w)
 		}
 	}
 	fail := errors.New("boom")
 	prev := time.Duration(0)
 	for n := 1; n <= 8; n++ {
-		w := p.nextWait(30*time.Second, n, fail)
+		w := p.nextWait(30*time.Second, n, p.rateLimited(fail))
 		base := min(5*time.Second<<(n-1), time.Minute)
 		if w < base*9/10 || w > base*11/10 {
 			t.Errorf("failure %d: wait %v, want %v ±10%%", n, w, base)
@@ -277,7 +277,7 @@ func TestPollerWaits(t *testing.T) {
 	}
 	// A 429 is never retried before the time it names.
 	tooMany := &APIError{Status: 429, NextAllowed: now.Add(7 * time.Minute)}
-	if w := p.nextWait(30*time.Second, 1, tooMany); w < 7*time.Minute {
+	if w := p.nextWait(30*time.Second, 1, p.rateLimited(tooMany)); w < 7*time.Minute {
 		t.Errorf("429 wait %v, want at least 7m", w)
 	}
 }
@@ -523,11 +523,11 @@ func TestPollerRateLimitWaitBounded(t *testing.T) {
 	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
 	p.now = func() time.Time { return now }
 	far := &APIError{Status: 429, NextAllowed: retryAfter("2147483647", now)}
-	if w := p.nextWait(30*time.Second, 1, far); w != maxRateLimitWait {
+	if w := p.nextWait(30*time.Second, 1, p.rateLimited(far)); w != maxRateLimitWait {
 		t.Errorf("wait after a 429 naming 2^31 s: %v, want %v", w, maxRateLimitWait)
 	}
 	near := &APIError{Status: 429, NextAllowed: now.Add(50 * time.Minute)}
-	if w := p.nextWait(30*time.Second, 1, near); w != 50*time.Minute {
+	if w := p.nextWait(30*time.Second, 1, p.rateLimited(near)); w != 50*time.Minute {
 		t.Errorf("wait after a 429 naming 50m: %v, want 50m", w)
 	}
 
