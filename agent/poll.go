@@ -784,8 +784,10 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 		p.mu.Unlock()
 		return nil // reconfigured meanwhile: the next round asks the new API
 	}
+	// The daemon's saved pool stands behind the service list even before
+	// this process has seen one: its confirmation always waits (strict).
 	listOK := len(cfg.Services) > 0 ||
-		p.confirm(serviceListKey, len(items), r.at, confirmAge(cfg.Account, cfg.Jitter))
+		p.confirm(serviceListKey, len(items), r.at, confirmAge(cfg.Account, cfg.Jitter), true)
 	p.mu.Unlock()
 	if !listOK {
 		// An empty service list, or one far smaller than the last, would
@@ -1006,7 +1008,9 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	withheld, firstEmpty, entries := false, false, false
 	take := func(key, what string, n int) bool {
 		last, seen := p.lastGood[key]
-		if p.confirm(key, n, at, minAge) {
+		// Not strict: only a last good size (this process's or Seed's)
+		// stands behind a service's list.
+		if p.confirm(key, n, at, minAge, false) {
 			entries = entries || n > 0
 			return true
 		}
@@ -1098,15 +1102,15 @@ type pendingList struct {
 // size again: a passing [] must not empty the pool, and the provider
 // answers [] for what it holds inactive (an empty first answer is
 // confirmed too). When a last good size stands behind the list (this
-// process's, or the saved state's through Seed), and always for the
-// service list (the daemon's saved pool stands behind it), the
-// confirming round must begin at least minAge (confirmAge) after the one
-// that brought the size: a glitch of seconds, re-polled by a Kick, a
+// process's, or the saved state's through Seed), and always when strict
+// (the caller knows something stands behind it that confirm cannot see),
+// the confirming round must begin at least minAge (confirmAge) after the
+// one that brought the size: a glitch of seconds, re-polled by a Kick, a
 // backoff retry or another list's early poll, is not confirmed by
-// itself. A first empty list has nothing older to lose, and any later
-// poll confirms it. After a provider change each key's first list is
-// swapped in at once. Called with p.mu held.
-func (p *Poller) confirm(key string, n int, at time.Time, minAge time.Duration) bool {
+// itself. Otherwise a first empty list has nothing older to lose, and any
+// later poll confirms it. After a provider change each key's first list
+// is swapped in at once. Called with p.mu held.
+func (p *Poller) confirm(key string, n int, at time.Time, minAge time.Duration, strict bool) bool {
 	last, seen := p.lastGood[key]
 	suspicious := n == 0 && (!seen || last > 0) || seen && n*2 < last
 	if p.trusted != nil && !p.trusted[key] {
@@ -1119,7 +1123,7 @@ func (p *Poller) confirm(key string, n int, at time.Time, minAge time.Duration) 
 	case !pending || prev.n != n:
 		p.pending[key] = pendingList{n: n, at: at}
 		return false
-	case (seen || key == serviceListKey) && at.Before(prev.at.Add(minAge)):
+	case (seen || strict) && at.Before(prev.at.Add(minAge)):
 		return false // the same size again, but too soon to confirm it
 	}
 	p.lastGood[key] = n

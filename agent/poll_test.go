@@ -996,6 +996,40 @@ func TestPollerServiceListShrinkConfirmedOnlyAtInterval(t *testing.T) {
 	}
 }
 
+// A first empty service list, with no last good size in this process
+// (no Seed), is still confirmed only by the next regular poll: the
+// daemon's saved pool stands behind it, unlike a service's first empty
+// IP list, which any later poll confirms.
+func TestPollerFirstEmptyServiceListConfirmedOnlyAtInterval(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, DefaultPollConfig()) // account 15m, jitter 0.1
+	clock := fakeNow(p)
+	ctx := context.Background()
+	confirmed := func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		_, ok := p.lastGood[serviceListKey]
+		return ok
+	}
+	for _, after := range []time.Duration{0, 10 * time.Second} {
+		clock.Advance(after)
+		sim.FailNext(1, 200, "[]")
+		if err := p.PollOnce(ctx, LoopAccount); err != nil {
+			t.Fatal(err)
+		}
+		if confirmed() {
+			t.Fatalf("a first empty service list was confirmed by a poll %v after it came", after)
+		}
+	}
+	clock.Advance(15 * time.Minute)
+	sim.FailNext(1, 200, "[]")
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	if !confirmed() {
+		t.Error("the empty service list, again an account interval later, was not confirmed")
+	}
+}
+
 // The lists loop, too, backs off a failing service alone: service 102's
 // sticky list answers a 422 (a failure the API documents for endpoint
 // 17), and service 101's lists keep ip_list. An hour of the loop's
