@@ -368,10 +368,16 @@ func New(cfg Config) (*Client, error) {
 // json.RawMessage verbatim, anything else through json.Marshal. A non-2xx
 // answer is a *APIError.
 func (c *Client) Call(ctx context.Context, method, route string, args []string, body any) ([]byte, error) {
+	_, b, err := c.request(ctx, method, route, args, body)
+	return b, err
+}
+
+// request is Call, with the status of a 2xx answer.
+func (c *Client) request(ctx context.Context, method, route string, args []string, body any) (int, []byte, error) {
 	start := time.Now()
 	path, err := fillRoute(route, args)
 	if err != nil {
-		return nil, fmt.Errorf("calling %s %s: %w", method, route, err)
+		return 0, nil, fmt.Errorf("calling %s %s: %w", method, route, err)
 	}
 	var reqBody io.Reader
 	if body != nil {
@@ -383,14 +389,14 @@ func (c *Client) Call(ctx context.Context, method, route string, args []string, 
 			b = v
 		default:
 			if b, err = json.Marshal(body); err != nil {
-				return nil, fmt.Errorf("encoding request body of %s %s: %w", method, route, err)
+				return 0, nil, fmt.Errorf("encoding request body of %s %s: %w", method, route, err)
 			}
 		}
 		reqBody = bytes.NewReader(b)
 	}
 	req, err := http.NewRequestWithContext(ctx, method, c.base+path, reqBody)
 	if err != nil {
-		return nil, fmt.Errorf("calling %s %s: %w", method, route, err)
+		return 0, nil, fmt.Errorf("calling %s %s: %w", method, route, err)
 	}
 	req.Header.Set("Authorization", c.auth)
 	req.Header.Set("Accept", "application/json")
@@ -402,7 +408,7 @@ func (c *Client) Call(ctx context.Context, method, route string, args []string, 
 	if err != nil {
 		err = fmt.Errorf("calling %s %s: %w", method, route, c.scrubErr(err))
 		c.done(method, route, "error", took, err)
-		return nil, err
+		return 0, nil, err
 	}
 	code := strconv.Itoa(status)
 	if status < 200 || status > 299 {
@@ -412,10 +418,10 @@ func (c *Client) Call(ctx context.Context, method, route string, args []string, 
 			apiErr.NextAllowed = retryAfter(header.Get("Retry-After"), time.Now())
 		}
 		c.done(method, route, code, took, apiErr)
-		return nil, apiErr
+		return 0, nil, apiErr
 	}
 	c.done(method, route, code, took, nil)
-	return respBody, nil
+	return status, respBody, nil
 }
 
 func (c *Client) send(req *http.Request) (int, http.Header, []byte, error) {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net/http"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -181,6 +182,84 @@ func TestOrderAndUpdateService(t *testing.T) {
 	}
 	if _, b := rec.last(); string(b) != `{}` {
 		t.Errorf("empty update sent %s, want {}", b)
+	}
+}
+
+// changingCalls are the calls that change the account, by name, each
+// returning its error.
+func changingCalls(c *Client) map[string]func() error {
+	ctx := context.Background()
+	return map[string]func() error{
+		"order":     func() error { _, err := c.Order(ctx, 11, OrderRequest{ClientID: 7}); return err },
+		"update":    func() error { _, err := c.UpdateService(ctx, 101, ServiceUpdate{UpdateList: true}); return err },
+		"rotate":    func() error { _, err := c.StickyRotate(ctx, 102, "gw1.sim.example", "s1"); return err },
+		"changettl": func() error { _, err := c.StickyChangeTTL(ctx, 102, 10); return err },
+		"resetall":  func() error { _, err := c.StickyResetAll(ctx, 102); return err },
+	}
+}
+
+// A 200 answer to a call that changes the account, whose body is the
+// provider's error object (at the top; for the service update also under
+// an action), is a refusal: the call fails with a *APIError carrying the
+// provider's message on one line.
+func TestRefusalIn200Answer(t *testing.T) {
+	all := []string{"order", "update", "rotate", "changettl", "resetall"}
+	for _, tc := range []struct {
+		body    string
+		refused []string // the calls that fail; the others must not fail with a *APIError
+		message string
+	}{
+		{`{"error":"Session not found "}`, all, "Session not found"},
+		{`{"Error":"Unprocessable Entity","ip":"198.51.100.9"}`, all, "Unprocessable Entity"},
+		{`{"error":"token ` + testToken + ` refused"}`, all, "token [redacted] refused"},
+		{`{"error":"line one\r\nline two\t\u001b[31mred\u2028end"}`, all, "line one line two [31mred end"},
+		{`{"update_list":{"error":"Too Many Attempts (updateList). Next update possible: 2026-11-21 11:40:05"}}`, []string{"update"},
+			"update_list: Too Many Attempts (updateList). Next update possible: 2026-11-21 11:40:05"},
+		{`{"setip":{"success":"IP address updated successfully"},"password":{"error":"Unprocessable Entity "}}`, []string{"update"},
+			"password: Unprocessable Entity"},
+	} {
+		srv, _ := serve(t, 200, tc.body)
+		for name, call := range changingCalls(newTestClient(t, srv.URL)) {
+			err := call()
+			var apiErr *APIError
+			if !slices.Contains(tc.refused, name) {
+				if errors.As(err, &apiErr) {
+					t.Errorf("%s with body %s: %v, want no refusal", name, tc.body, err)
+				}
+				continue
+			}
+			if !errors.As(err, &apiErr) || apiErr.Status != 200 || apiErr.Message != tc.message {
+				t.Errorf("%s with body %s: %v, want a *APIError of status 200 with message %q", name, tc.body, err, tc.message)
+				continue
+			}
+			if msg := err.Error(); !strings.Contains(msg, tc.message) || !strings.Contains(msg, apiErr.Route) || apiErr.Route == "" {
+				t.Errorf("%s: Error() = %q, want the message and the route", name, msg)
+			}
+			if strings.Contains(apiErr.Body, testToken) {
+				t.Errorf("%s: the body excerpt keeps the token: %q", name, apiErr.Body)
+			}
+		}
+	}
+}
+
+// Every other 200 answer to a call that changes the account stays what it
+// was: a success for the sticky calls, whose success bodies are not
+// public, and never a refusal for the others.
+func TestNoRefusalWithoutErrorObject(t *testing.T) {
+	for _, body := range []string{``, `[]`, `null`, `"Session not found"`, `[{"error":"x"}]`, `{"success":"rotated"}`,
+		`{"message":"Session rotated"}`, `{"error":""}`, `{"error":"  "}`, `{"error":null,"ip":"198.51.100.9"}`, `{"error":false}`,
+		`{"error":{"code":3}}`, `{"session":{"error":"x"}}`, `{"update_list":{"success":"IP list updated successfully"}}`, `{"error":`} {
+		srv, _ := serve(t, 200, body)
+		for name, call := range changingCalls(newTestClient(t, srv.URL)) {
+			err := call()
+			var apiErr *APIError
+			switch {
+			case errors.As(err, &apiErr):
+				t.Errorf("%s with body %s: refused: %v", name, body, err)
+			case err != nil && name != "order" && name != "update":
+				t.Errorf("%s with body %s: %v, want a success", name, body, err)
+			}
+		}
 	}
 }
 

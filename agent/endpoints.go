@@ -45,6 +45,32 @@ func call[T any](ctx context.Context, c *Client, method, route string, args []st
 		var zero T
 		return zero, err
 	}
+	return decode(c, route, raw, dec)
+}
+
+// change is call for an endpoint that changes the account (an order, a
+// service update, the sticky calls 18–20, which use GET). A 2xx answer
+// whose body is the provider's error object fails as the *APIError of
+// refusal, with the provider's message; actions are the keys of an
+// answer given per action, whose own error objects count too.
+func change[T any](ctx context.Context, c *Client, method, route string, args []string, body any, dec func([]byte) (T, error), actions ...string) (T, error) {
+	status, raw, err := c.request(ctx, method, route, args, body)
+	if err == nil {
+		if refused := refusal(status, route, c.scrub(raw), actions...); refused != nil {
+			refused.Method = method
+			err = refused
+		}
+	}
+	if err != nil {
+		var zero T
+		return zero, err
+	}
+	return decode(c, route, raw, dec)
+}
+
+// decode reads the 2xx answer raw of route with dec, wrapping a failure
+// in a *DecodeError naming the route.
+func decode[T any](c *Client, route string, raw []byte, dec func([]byte) (T, error)) (T, error) {
 	v, err := dec(raw)
 	if err != nil {
 		return v, c.decodeError(route, raw, err)
@@ -90,7 +116,7 @@ func (c *Client) Product(ctx context.Context, pid int) (*Product, error) {
 // Order orders a new service of product pid for a client, paid from the
 // credit (endpoint 5).
 func (c *Client) Order(ctx context.Context, pid int, o OrderRequest) (*OrderResult, error) {
-	return call(ctx, c, http.MethodPost, RouteProduct, []string{itoa(pid)}, o, object[OrderResult]("serviceId", "orderId", "invoiceId"))
+	return change(ctx, c, http.MethodPost, RouteProduct, []string{itoa(pid)}, o, object[OrderResult]("serviceId", "orderId", "invoiceId"))
 }
 
 // Products lists the products (endpoint 6).
@@ -202,13 +228,15 @@ func (c *Client) Services(ctx context.Context) ([]ServiceItem, error) {
 // UpdateService binds an IP, requests a new IP list and/or changes the
 // password of a service (endpoint 15). A repeated list update before the
 // allowed time fails with ErrTooManyAttempts; the *APIError carries
-// NextAllowed.
+// NextAllowed. A 200 answer with an {"error": "..."}, at the top or under
+// an action, fails too (refusal).
 func (c *Client) UpdateService(ctx context.Context, id int, u ServiceUpdate) (ServiceUpdateResult, error) {
-	return call(ctx, c, http.MethodPut, RouteService, []string{itoa(id)}, u, decodeUpdateResult)
+	return change(ctx, c, http.MethodPut, RouteService, []string{itoa(id)}, u, decodeUpdateResult, "setip", "update_list", "password")
 }
 
-// decodeUpdateResult reads {"action": {"success": "message"}}; a bare string
-// or an {"error": ...} value is kept as the message.
+// decodeUpdateResult reads {"action": {"success": "message"}}; a bare
+// string is kept as the message, and so is an action's "error" that is
+// blank or no string (a message there has failed the call: refusal).
 func decodeUpdateResult(body []byte) (ServiceUpdateResult, error) {
 	res := ServiceUpdateResult{}
 	t := bytes.TrimSpace(body)
@@ -283,10 +311,13 @@ func (c *Client) StickyResetAll(ctx context.Context, id int) (*StickyResult, err
 	return c.sticky(ctx, RouteStickyResetAll, itoa(id))
 }
 
+// sticky sends one of the sticky calls that change state (endpoints
+// 18–20). Their success bodies are not public: anything but the
+// provider's error object is a success (refusal).
 func (c *Client) sticky(ctx context.Context, route string, args ...string) (*StickyResult, error) {
-	return get(ctx, c, route, func(b []byte) (*StickyResult, error) {
+	return change(ctx, c, http.MethodGet, route, args, nil, func(b []byte) (*StickyResult, error) {
 		return &StickyResult{Raw: b, ExitIP: findExitIP(b)}, nil
-	}, args...)
+	})
 }
 
 func validFormat(f string) bool { return f == "txt" || f == "csv" || f == "json" }

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -33,12 +34,14 @@ var (
 // maxExcerpt bounds APIError.Body and APIError.Message.
 const maxExcerpt = 256
 
-// APIError is a non-2xx answer of the provider.
+// APIError is an answer of the provider that reports a failure: a non-2xx
+// one, or a 2xx answer to a call that changes the account whose body is
+// the provider's error object (refusal).
 type APIError struct {
-	Status      int       // HTTP status
+	Status      int       // HTTP status; 2xx for a refusal
 	Method      string    // request method, when known
 	Route       string    // route template, e.g. "/api/service/{id}"
-	Message     string    // the provider's message, trimmed ("error" of a JSON body, or a one-line text body)
+	Message     string    // the provider's message, one trimmed line ("error" of a JSON body, or a one-line text body)
 	Body        string    // excerpt of the response body: at most 256 bytes, valid UTF-8, "..." when cut
 	NextAllowed time.Time // 429: when the next IP list update is allowed (UTC); zero if not given
 
@@ -88,8 +91,43 @@ var nextUpdateRe = regexp.MustCompile(`(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2}
 // decodeError builds the APIError of a non-2xx answer. It never fails: a body
 // it cannot read as the provider's JSON or text form is kept as an excerpt.
 func decodeError(status int, route string, body []byte) *APIError {
-	e := &APIError{Status: status, Route: route, Body: excerpt(body, maxExcerpt)}
-	e.Message = errorMessage(body)
+	return newAPIError(status, route, body, errorMessage(body))
+}
+
+// refusal returns the APIError of a 2xx answer to a call that changes the
+// account when its body is the provider's error object, and nil for any
+// other body. The provider's errors are {"error": "..."} objects, normally
+// with a 4xx; one that comes with a 2xx still says the change was not
+// made. actions are the keys of an answer given per action (the service
+// update's {"update_list": {"success": "..."}}): an action's own
+// {"error": "..."} refuses the call too, and the message names the
+// action. A body that is no JSON object, or one without a non-blank
+// "error" string, is a success: the success bodies of the sticky calls
+// are not public.
+func refusal(status int, route string, body []byte, actions ...string) *APIError {
+	obj, ok := jsonObject(body)
+	if !ok {
+		return nil
+	}
+	msg := stringField(obj, "error")
+	for i := 0; msg == "" && i < len(actions); i++ {
+		raw, _ := lookupFold(obj, actions[i])
+		if inner, ok := jsonObject(raw); ok {
+			if m := stringField(inner, "error"); m != "" {
+				msg = oneLine(actions[i] + ": " + m)
+			}
+		}
+	}
+	if msg == "" {
+		return nil
+	}
+	return newAPIError(status, route, body, msg)
+}
+
+// newAPIError builds the APIError of an answer with status and body, and
+// the provider's message msg found in it.
+func newAPIError(status int, route string, body []byte, msg string) *APIError {
+	e := &APIError{Status: status, Route: route, Body: excerpt(body, maxExcerpt), Message: msg}
 	e.kind = classify(status, e.Message)
 	if status == 429 {
 		if m := nextUpdateRe.FindStringSubmatch(e.Message); m != nil {
@@ -102,28 +140,14 @@ func decodeError(status int, route string, body []byte) *APIError {
 }
 
 // errorMessage extracts the provider's message: the "error" (or "message")
-// string of a JSON object, or a short one-line text body. Both are trimmed,
-// since some provider messages end in a space.
+// string of a JSON object, or a short one-line text body, as oneLine.
 func errorMessage(body []byte) string {
 	trimmed := bytes.TrimSpace(body)
 	if len(trimmed) == 0 {
 		return ""
 	}
-	if trimmed[0] == '{' {
-		var obj map[string]json.RawMessage
-		if json.Unmarshal(trimmed, &obj) == nil {
-			for _, key := range []string{"error", "message", "errors"} {
-				raw, ok := lookupFold(obj, key)
-				if !ok {
-					continue
-				}
-				var s string
-				if json.Unmarshal(raw, &s) == nil && strings.TrimSpace(s) != "" {
-					return excerpt([]byte(strings.TrimSpace(s)), maxExcerpt)
-				}
-			}
-			return ""
-		}
+	if obj, ok := jsonObject(trimmed); ok {
+		return stringField(obj, "error", "message", "errors")
 	}
 	if trimmed[0] == '<' || bytes.ContainsAny(trimmed, "\r\n") || len(trimmed) > maxExcerpt || !utf8.Valid(trimmed) {
 		return "" // an HTML page or a dump: shown as Body only
@@ -131,10 +155,58 @@ func errorMessage(body []byte) string {
 	if trimmed[0] == '"' { // a bare JSON string
 		var s string
 		if json.Unmarshal(trimmed, &s) == nil {
-			return excerpt([]byte(strings.TrimSpace(s)), maxExcerpt)
+			return oneLine(s)
 		}
 	}
-	return string(trimmed)
+	return oneLine(string(trimmed))
+}
+
+// jsonObject decodes body as a JSON object; ok is false for anything else.
+func jsonObject(body []byte) (obj map[string]json.RawMessage, ok bool) {
+	body = bytes.TrimSpace(body)
+	if len(body) == 0 || body[0] != '{' || json.Unmarshal(body, &obj) != nil {
+		return nil, false
+	}
+	return obj, true
+}
+
+// stringField returns, as oneLine, the first non-blank string value of
+// obj under one of keys (matched as lookupFold does); "" if none.
+func stringField(obj map[string]json.RawMessage, keys ...string) string {
+	for _, key := range keys {
+		raw, ok := lookupFold(obj, key)
+		if !ok {
+			continue
+		}
+		var s string
+		if json.Unmarshal(raw, &s) == nil {
+			if msg := oneLine(s); msg != "" {
+				return msg
+			}
+		}
+	}
+	return ""
+}
+
+// oneLine makes a message of the provider fit one line of a log or an
+// error: each run of characters that are not printable (line breaks,
+// tabs, escapes) becomes one space, the ends are trimmed (some provider
+// messages end in a space), and it is cut to maxExcerpt.
+func oneLine(s string) string {
+	var b strings.Builder
+	gap := false
+	for _, r := range s {
+		if !unicode.IsGraphic(r) {
+			gap = true
+			continue
+		}
+		if gap {
+			b.WriteByte(' ')
+			gap = false
+		}
+		b.WriteRune(r)
+	}
+	return excerpt([]byte(strings.TrimSpace(b.String())), maxExcerpt)
 }
 
 // classify maps status and message to the specific sentinel. Messages are

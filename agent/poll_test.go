@@ -336,6 +336,27 @@ func TestPollerRotate(t *testing.T) {
 	}
 }
 
+// A rotation the provider refuses in a 200 answer fails, and the session
+// keeps its exit IP, even when the refusal names an address.
+func TestPollerRotateRefusedIn200(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{102} }))
+	pollAll(t, p)
+	sess := sim.Sessions(102)[0]
+	sim.RotateHook(func(int, string, string) (int, string) {
+		return 200, `{"error":"Session expired","ip":"198.51.100.77"}`
+	})
+	ip, err := p.Rotate(context.Background(), 102, sess.Server, sess.Session)
+	var apiErr *APIError
+	if ip != "" || !errors.As(err, &apiErr) || apiErr.Message != "Session expired" {
+		t.Fatalf("refused rotate = %q, %v; want the provider's refusal", ip, err)
+	}
+	for _, ss := range serviceByID(p.Snapshot(), 102).Sticky {
+		if ss.Session == sess.Session && ss.ExitIP != sess.ExitIP {
+			t.Errorf("snapshot has exit IP %q after a refused rotate, want %q", ss.ExitIP, sess.ExitIP)
+		}
+	}
+}
+
 // After a restart the daemon seeds the sizes it serves from its state: an
 // empty or much smaller first list then needs confirmation like any other.
 func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
