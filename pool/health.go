@@ -216,11 +216,7 @@ func (p *Pool) eject(h *host) {
 			sl.ejected.Add(1)
 		}
 	}
-	now := p.now().UnixNano()
-	k := h.streak.Add(1)
-	h.trial.Store(false)
-	h.ejectedUntil.Store(now + int64(p.ejectDuration(cfg, int(k))))
-	h.ejections.Add(1)
+	p.startEjection(cfg, h)
 	p.setHeld(s, h, u, false)
 	p.checkPanics(cfg, s, u)
 	p.ejectMu.Unlock()
@@ -258,14 +254,7 @@ func (p *Pool) fitCaps(cfg *Config, s *snapshot) []*host {
 		now := p.now().UnixNano()
 		for _, o := range outs[:min(over, int64(len(outs)))] {
 			h, u := o.h, o.h.cur.Load()
-			h.ejectedUntil.Store(0)
-			h.readmitted.Store(now) // back in as a re-admission is: its ejection streak stays
-			h.trial.Store(false)
-			for _, t := range s.slices {
-				if t.matches(u) {
-					t.ejected.Add(-1)
-				}
-			}
+			endEjection(s, h, u, now) // back in as a re-admission is
 			p.setHeld(s, h, u, true)
 			ended = append(ended, h)
 		}
@@ -357,14 +346,22 @@ func (p *Pool) reeject(h *host) {
 		p.ejectMu.Unlock()
 		return
 	}
-	cfg := p.cfg.Load()
-	now := p.now().UnixNano()
-	k := h.streak.Add(1)
-	h.ejectedUntil.Store(now + int64(p.ejectDuration(cfg, int(k))))
-	h.trial.Store(false)
-	h.ejections.Add(1)
+	p.startEjection(p.cfg.Load(), h)
 	p.ejectMu.Unlock()
 	p.ejected(h, h.cur.Load())
+}
+
+// startEjection starts h's ejection, or a probing h's next one, from now:
+// the next of its streak, as long as ejectDuration makes it. The caller
+// holds p.ejectMu and has counted h against the caps it counts in. The end
+// goes in before the trial claim is freed: a probing h whose trial failed
+// is past its last end, and would otherwise look free to a pick in
+// between, whose connection would hold the trial of the new ejection.
+func (p *Pool) startEjection(cfg *Config, h *host) {
+	k := h.streak.Add(1)
+	h.ejectedUntil.Store(p.now().UnixNano() + int64(p.ejectDuration(cfg, int(k))))
+	h.trial.Store(false)
+	h.ejections.Add(1)
 }
 
 // ejected tells the hook and the event log about an ejection of h; the
@@ -384,23 +381,33 @@ func (p *Pool) readmit(h *host, now int64) {
 		p.ejectMu.Unlock()
 		return
 	}
-	h.ejectedUntil.Store(0)
-	h.trial.Store(false)
 	h.consec.Store(0)
-	h.readmitted.Store(now)
-	u := h.cur.Load()
-	if capped(h.flags.Load()) {
-		s := p.snap.Load()
-		for _, sl := range s.slices {
-			if sl.matches(u) {
-				sl.ejected.Add(-1)
-			}
-		}
+	u, s := h.cur.Load(), p.snap.Load()
+	if endEjection(s, h, u, now) {
 		p.checkPanics(p.cfg.Load(), s, u)
 	}
 	p.ejectMu.Unlock()
 	p.record(EventReadmitted, h.id, u.Service, "")
 	p.notifyChanged()
+}
+
+// endEjection puts h, whose upstream is u, back into rotation at now and
+// takes it off the ejected counts of the slices of s that hold it, if it
+// counts in their caps (counted); its streak stays, for the next ejection's
+// length. The caller holds p.ejectMu.
+func endEjection(s *snapshot, h *host, u *Upstream, now int64) (counted bool) {
+	h.ejectedUntil.Store(0)
+	h.trial.Store(false)
+	h.readmitted.Store(now)
+	if !capped(h.flags.Load()) {
+		return false
+	}
+	for _, sl := range s.slices {
+		if sl.matches(u) {
+			sl.ejected.Add(-1)
+		}
+	}
+	return true
 }
 
 // ejectDuration is EjectBase × 2^(k-1), capped at EjectMax, ±20 % jitter,

@@ -124,7 +124,13 @@ func (p *Pool) dropSessions(gen uint64) {
 // limited reports whether s's last rotation request is less than interval
 // before now.
 func (s *session) limited(now, interval int64) bool {
-	last := s.lastRotate.Load()
+	return tooSoon(s.lastRotate.Load(), now, interval)
+}
+
+// tooSoon reports whether a rotation requested at last (unix ns; 0: none
+// yet) is less than interval before now: the rule of limited, for
+// requestRotate, which needs the value it tested for its compare-and-swap.
+func tooSoon(last, now, interval int64) bool {
 	return last != 0 && now-last < interval
 }
 
@@ -172,7 +178,7 @@ func (p *Pool) requestRotate(h *host, cause Result) {
 	u := h.cur.Load()
 	now := p.now().UnixNano()
 	last := s.lastRotate.Load()
-	if last != 0 && now-last < int64(p.cfg.Load().RotateInterval) {
+	if tooSoon(last, now, int64(p.cfg.Load().RotateInterval)) {
 		p.rotated(u.Service, "rate_limited")
 		return
 	}

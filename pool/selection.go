@@ -52,7 +52,8 @@ func take(h *host) bool {
 // The strategies are pure functions over a slice's members: they return the
 // index of the chosen eligible member or -1 (latencyBand: the members to
 // choose among), and claim nothing. start spreads ties and scans. Only
-// pickTurn, round robin's turns, also moves the slice's cursor.
+// takeTurn, which runs the scans of round robin and least-conn from the
+// cursor's turn, also moves the slice's cursor.
 
 // pickFirst scans from start and returns the first eligible member, and how
 // many members it passed over before it.
@@ -74,17 +75,27 @@ func pickFirst(hs []*host, start uint64, f *filter) (i int, passed uint64) {
 }
 
 // pickTurn is round robin over the eligible members of hs: the member whose
-// turn the cursor rr gives, or else the first eligible one after it. The
-// cursor then moves past the chosen member, so that the members it passed
-// over used up their turns: after a run of ineligible members the next
-// eligible one gets its own turn, not the whole run's (a member after k
-// ejected ones would take k+1 turns a round), and every eligible member
-// gets one turn a round. Picks at the same instant that start in the same
-// run may still meet on one member. One atomic add when the turn's member
-// is eligible, a load and a compare-and-swap or a few more when it is not.
+// turn the cursor rr gives, or else the first eligible one after it.
 func pickTurn(hs []*host, rr *atomic.Uint64, f *filter) int {
+	return takeTurn(hs, rr, f, pickFirst)
+}
+
+// scan is a strategy that scans hs from start (pickFirst, pickLeastConn):
+// it returns the index of the member it chose or -1, and how many members
+// it passed over before it.
+type scan func(hs []*host, start uint64, f *filter) (i int, passed uint64)
+
+// takeTurn runs pick from the turn the cursor rr gives and then moves the
+// cursor past the chosen member, so that the members it passed over used
+// up their turns: after a run of ineligible members the next eligible one
+// gets its own turn, not the whole run's (a member after k ejected ones
+// would take k+1 turns a round), and every eligible member gets one turn a
+// round. Picks at the same instant that start in the same run may still
+// meet on one member. One atomic add when the turn's member is chosen, a
+// load and a compare-and-swap or a few more when it is not.
+func takeTurn(hs []*host, rr *atomic.Uint64, f *filter, pick scan) int {
 	start := rr.Add(1) - 1
-	i, passed := pickFirst(hs, start, f)
+	i, passed := pick(hs, start, f)
 	if i >= 0 && passed > 0 {
 		passTurns(rr, start, passed)
 	}
@@ -139,9 +150,9 @@ func pickRandom(hs []*host, rand func() uint64, f *filter) int {
 
 // pickLeastConn returns an eligible member with the fewest connections in
 // flight; among equals the first from start. An idle member ends the scan.
-// passed is how far from start the chosen member is: the caller moves its
-// cursor on past it (as pickTurn does), or the idle member after a run of
-// ineligible ones would take the run's ties too.
+// passed is how far from start the chosen member is: takeTurn moves the
+// cursor on past it, or the idle member after a run of ineligible ones
+// would take the run's ties too.
 func pickLeastConn(hs []*host, start uint64, f *filter) (i int, passed uint64) {
 	n := uint64(len(hs))
 	best, bestN := -1, int64(0)
@@ -237,11 +248,7 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 				i = pickTurn(hs, &sl.rr, f)
 			}
 		case LeastConn:
-			start := sl.rr.Add(1) - 1
-			var passed uint64
-			if i, passed = pickLeastConn(hs, start, f); i >= 0 && passed > 0 {
-				passTurns(&sl.rr, start, passed)
-			}
+			i = takeTurn(hs, &sl.rr, f, pickLeastConn)
 		case Latency:
 			hs = p.band(sl, f.quota, false).hosts
 			if i = pickTurn(hs, &sl.rr, f); i < 0 {
