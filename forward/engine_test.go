@@ -892,11 +892,10 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 		wantSuccesses(t, p, pu, 2)
 
 		// A reload's successor knows it too.
-		next := startListener(t, testConfig(func(c *Config) {
+		next := startSuccessor(t, testConfig(func(c *Config) {
 			c.AllowDestinations = loopbackAllowed
 			c.HandshakeTimeout = handshake
-		}), p)
-		next.Succeed(tl.Listener)
+		}), p, tl.Listener)
 		tunnel(t, next, echo)
 		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, greeting, greeting, greeting}) {
 			t.Errorf("first reads %v, want the successor's tunnel one message at a time", got)

@@ -720,6 +720,13 @@ type testListener struct {
 // startListener serves cfg on 127.0.0.1:0 until the test ends.
 func startListener(t *testing.T, cfg Config, p Pool) *testListener {
 	t.Helper()
+	return startSuccessor(t, cfg, p, nil)
+}
+
+// startSuccessor is startListener for the successor of prev (see
+// Listener.Succeed), or of none when prev is nil.
+func startSuccessor(t *testing.T, cfg Config, p Pool, prev *Listener) *testListener {
+	t.Helper()
 	if cfg.Address == "" {
 		cfg.Address = "127.0.0.1:0"
 	}
@@ -731,6 +738,9 @@ func startListener(t *testing.T, cfg Config, p Pool) *testListener {
 	l, err := NewListener(cfg, p, obs, logger)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if prev != nil {
+		l.Succeed(prev)
 	}
 	ln, err := Listen(context.Background(), cfg.Address)
 	if err != nil {
