@@ -6,7 +6,6 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -81,7 +80,7 @@ func TestPollerListFormatFallback(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
 	var mu sync.Mutex
 	formats := map[string]int{}
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if rest, ok := strings.CutPrefix(r.URL.Path, "/api/iplist/"); ok {
 			parts := strings.Split(rest, "/")
 			mu.Lock()
@@ -89,16 +88,11 @@ func TestPollerListFormatFallback(t *testing.T) {
 			mu.Unlock()
 			if parts[1] == "json" && parts[0] == "http-auth" {
 				io.WriteString(w, "<html><body>Service temporarily unavailable</body></html>")
-				return
+				return true
 			}
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	t.Cleanup(srv.Close)
-	c, err := New(clientConfig(srv.URL, providersim.DefaultToken, 5*time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
+		return false
+	})
 	var logBuf syncbuf.Buffer
 	logger := slog.New(slog.NewTextHandler(&logBuf, nil))
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services = []int{101} }), nil, logger)

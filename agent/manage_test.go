@@ -26,6 +26,12 @@ type fakeClock struct {
 func (c *fakeClock) Now() time.Time          { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
 func (c *fakeClock) Advance(d time.Duration) { c.mu.Lock(); c.t = c.t.Add(d); c.mu.Unlock() }
 
+// newFakeClock returns a fakeClock at the tests' epoch, 2026-11-21 10:00
+// UTC, for PollConfig.Now (and the simulator's Config.Now).
+func newFakeClock() *fakeClock {
+	return &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+}
+
 // eventLog collects the poller's events.
 type eventLog struct {
 	mu     sync.Mutex
@@ -50,7 +56,7 @@ func (l *eventLog) kinds() []string {
 // per interval, both on one fake clock.
 func newManagedPoller(t *testing.T, interval time.Duration) (*Poller, *providersim.Sim, *fakeClock, *eventLog) {
 	t.Helper()
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	clock := newFakeClock()
 	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: interval})
 	srv := httptest.NewServer(sim)
 	t.Cleanup(srv.Close)
@@ -63,12 +69,12 @@ func newManagedPoller(t *testing.T, interval time.Duration) (*Poller, *providers
 		c.Services, c.Protocols = []int{101}, []string{"http"}
 		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
 		c.OnEvent = events.add
+		c.Now = clock.Now
 	})
 	p, err := NewPoller(c, cfg, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.now = clock.Now
 	pollAll(t, p)
 	return p, sim, clock, events
 }
@@ -224,11 +230,11 @@ func TestManageRateLimitBounds(t *testing.T) {
 			p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
 				c.Manage = ManageConfig{UpdateListShare: 1, UpdateListAfter: time.Minute}
 				c.OnEvent = events.add
+				c.Now = func() time.Time { return now }
 			}), nil, slog.New(slog.NewTextHandler(&logBuf, nil)))
 			if err != nil {
 				t.Fatal(err)
 			}
-			p.now = func() time.Time { return now }
 			p.manage[1] = &manageState{}
 			p.requestList(context.Background(), c, 0, 1)
 			if got := p.manage[1].nextAllowed; !got.Equal(tc.want) {
@@ -274,17 +280,12 @@ func TestManageOff(t *testing.T) {
 func TestManageStatusLoopBeatsWhilePollingNewList(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
 	var slow atomic.Bool
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, 2*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if slow.Load() && (r.Method == http.MethodPut || strings.HasPrefix(r.URL.Path, "/api/iplist/")) {
 			time.Sleep(500 * time.Millisecond)
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	defer srv.Close()
-	c, err := New(clientConfig(srv.URL, "sim-token", 2*time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
+		return false
+	})
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
 		c.Services = []int{101}
 		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: time.Minute}

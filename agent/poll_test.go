@@ -48,6 +48,23 @@ func clientConfig(url, token string, timeout time.Duration) Config {
 	return c
 }
 
+// interceptClient returns a client of sim whose requests intercept sees
+// first: it answers those it returns true for, and sim the others.
+func interceptClient(t *testing.T, sim *providersim.Sim, timeout time.Duration, intercept func(w http.ResponseWriter, r *http.Request) (answered bool)) *Client {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !intercept(w, r) {
+			sim.ServeHTTP(w, r)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	c, err := New(clientConfig(srv.URL, providersim.DefaultToken, timeout))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 // pollConfig is DefaultPollConfig changed by set.
 func pollConfig(set func(c *PollConfig)) PollConfig {
 	c := DefaultPollConfig()
@@ -186,18 +203,13 @@ func TestPollerConfiguredServicesAndProtocols(t *testing.T) {
 	}
 }
 
-// fakeNow gives p a fake clock.
-func fakeNow(p *Poller) *fakeClock {
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
-	p.now = clock.Now
-	return clock
-}
-
 // A far smaller list is swapped in when a poll an ip_list interval later
 // brings it again; a poll brought forward does not confirm it.
 func TestPollerConfirmsShrinkingLists(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Protocols = []string{"http"} }))
-	clock := fakeNow(p)
+	clock := newFakeClock()
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols, c.Now = []int{101}, []string{"http"}, clock.Now
+	}))
 	pollAll(t, p)
 	full := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"])
 	if full < 3 {
@@ -254,9 +266,9 @@ func TestPollerKeepsLastGoodDataOnFailure(t *testing.T) {
 }
 
 func TestPollerWaits(t *testing.T) {
-	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Jitter = 0.1; c.MaxBackoff = time.Minute }))
-	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
-	p.now = func() time.Time { return now }
+	clock := newFakeClock()
+	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Jitter = 0.1; c.MaxBackoff = time.Minute; c.Now = clock.Now }))
+	now := clock.Now()
 	for range 100 {
 		if w := p.nextWait(10*time.Second, 0, p.rateLimited(nil)); w < 9*time.Second || w > 11*time.Second {
 			t.Fatalf("success wait %v outside interval ±10%%", w)
@@ -360,8 +372,10 @@ func TestPollerRotateRefusedIn200(t *testing.T) {
 // After a restart the daemon seeds the sizes it serves from its state: an
 // empty or much smaller first list then needs confirmation like any other.
 func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Protocols = []string{"http"} }))
-	clock := fakeNow(p)
+	clock := newFakeClock()
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols, c.Now = []int{101}, []string{"http"}, clock.Now
+	}))
 	p.Seed(map[string]int{"101/http-auth": 3})
 	sim.SetEntries(101, "http-auth", nil)
 	ctx := context.Background()
@@ -398,8 +412,8 @@ func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 // An empty service list would take every service away: it needs the next
 // regular poll to confirm it.
 func TestPollerServiceListShrinkNeedsConfirmation(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, DefaultPollConfig())
-	clock := fakeNow(p)
+	clock := newFakeClock()
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Now = clock.Now }))
 	pollAll(t, p)
 	if n := len(p.Snapshot().Services); n != 3 {
 		t.Fatalf("%d services, want 3", n)
@@ -425,17 +439,12 @@ func TestPollerServiceListShrinkNeedsConfirmation(t *testing.T) {
 
 func TestPollerAliveDuringSlowAccountRound(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if strings.HasPrefix(r.URL.Path, "/api/service/") {
 			time.Sleep(900 * time.Millisecond) // each request within its timeout
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	defer srv.Close()
-	c, err := New(clientConfig(srv.URL, "sim-token", time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
+		return false
+	})
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services = []int{101, 102, 104} }), nil, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -500,18 +509,13 @@ func TestPollOnceUnknownLoop(t *testing.T) {
 func TestPollerStatusAppliesErroredWhenInactiveFails(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
 	var failInactive atomic.Bool
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if failInactive.Load() && strings.HasPrefix(r.URL.Path, "/api/networkstatus/inactive/") {
 			w.WriteHeader(http.StatusServiceUnavailable)
-			return
+			return true
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	defer srv.Close()
-	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
+		return false
+	})
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services = []int{101} }), nil, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -540,9 +544,9 @@ func TestPollerStatusAppliesErroredWhenInactiveFails(t *testing.T) {
 // written) parks a loop for at most maxRateLimitWait, and the loop says so
 // in the log; a nearer time is still honoured in full.
 func TestPollerRateLimitWaitBounded(t *testing.T) {
-	p, _, _ := newPollerForTest(t, DefaultPollConfig())
-	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
-	p.now = func() time.Time { return now }
+	clock := newFakeClock()
+	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Now = clock.Now }))
+	now := clock.Now()
 	far := &APIError{Status: 429, NextAllowed: retryAfter("2147483647", now)}
 	if w := p.nextWait(30*time.Second, 1, p.rateLimited(far)); w != maxRateLimitWait {
 		t.Errorf("wait after a 429 naming 2^31 s: %v, want %v", w, maxRateLimitWait)
@@ -586,7 +590,7 @@ func failingService(t *testing.T, failing int, prefixes ...string) (*providersim
 	sim := providersim.New(providersim.Config{})
 	var mu sync.Mutex
 	counts := map[int]int{}
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if id, err := strconv.Atoi(strings.TrimPrefix(r.URL.Path, prefixes[0])); err == nil {
 			mu.Lock()
 			counts[id]++
@@ -596,16 +600,11 @@ func failingService(t *testing.T, failing int, prefixes ...string) (*providersim
 			if r.URL.Path == prefix+strconv.Itoa(failing) {
 				w.WriteHeader(http.StatusUnprocessableEntity)
 				io.WriteString(w, `{"error":"Unprocessable Entity "}`)
-				return
+				return true
 			}
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	t.Cleanup(srv.Close)
-	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
+		return false
+	})
 	return sim, c, func(id int) int { mu.Lock(); defer mu.Unlock(); return counts[id] }
 }
 
@@ -641,16 +640,16 @@ func step(t *testing.T, p *Poller, clock *fakeClock, l Loop) {
 // status loop's schedule, on a fake clock.
 func TestPollerStatusBackoffPerService(t *testing.T) {
 	sim, c, requests := failingService(t, 104, "/api/networkstatus/errors/", "/api/networkstatus/inactive/")
+	clock := newFakeClock()
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
 		c.Services = []int{101, 104}
 		c.NetworkStatus = 30 * time.Second
 		c.Jitter = 0
+		c.Now = clock.Now
 	}), nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
-	p.now = clock.Now
 	ctx := context.Background()
 	if err := p.PollOnce(ctx, LoopAccount); err != nil {
 		t.Fatal(err)
@@ -678,18 +677,17 @@ func TestPollerStatusBackoffPerService(t *testing.T) {
 // clock.
 func TestPollerStatusListsOwnClocks(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	clock := newFakeClock()
 	const errored101, inactive101 = "/api/networkstatus/errors/101", "/api/networkstatus/inactive/101"
 	c, requests := countPaths(t, sim, clock, func(path string) bool { return path == inactive101 },
 		errored101, inactive101, "/api/networkstatus/errors/102")
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
 		c.Services = []int{101, 102}
-		c.NetworkStatus, c.Jitter = 30*time.Second, 0
+		c.NetworkStatus, c.Jitter, c.Now = 30*time.Second, 0, clock.Now
 	}), nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.now = clock.Now
 	if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
 		t.Fatal(err)
 	}
@@ -740,16 +738,16 @@ func TestPollerRunStatusBackoffPerService(t *testing.T) {
 // service at once, the one backing off included.
 func TestPollerUsageBackoffPerService(t *testing.T) {
 	sim, c, requests := failingService(t, 104, "/api/rate/")
+	clock := newFakeClock()
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
 		c.Services = []int{101, 102, 104}
 		c.Usage = time.Minute
 		c.Jitter = 0
+		c.Now = clock.Now
 	}), nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
-	p.now = clock.Now
 	ctx := context.Background()
 	if err := p.PollOnce(ctx, LoopAccount); err != nil {
 		t.Fatal(err)
@@ -818,7 +816,7 @@ func countPaths(t *testing.T, sim *providersim.Sim, clock *fakeClock, fail func(
 	start := clock.Now()
 	var mu sync.Mutex
 	seen := map[string][]time.Duration{}
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		for _, prefix := range prefixes {
 			if strings.HasPrefix(r.URL.Path, prefix) {
 				mu.Lock()
@@ -828,15 +826,10 @@ func countPaths(t *testing.T, sim *providersim.Sim, clock *fakeClock, fail func(
 		}
 		if fail != nil && fail(r.URL.Path) {
 			w.WriteHeader(http.StatusInternalServerError)
-			return
+			return true
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	t.Cleanup(srv.Close)
-	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
+		return false
+	})
 	return c, func(prefix string) []time.Duration { mu.Lock(); defer mu.Unlock(); return slices.Clone(seen[prefix]) }
 }
 
@@ -852,14 +845,13 @@ func TestPollerConfirmsFirstEmptyListSoon(t *testing.T) {
 	})
 	newPoller := func() (*Poller, *fakeClock, func(string) []time.Duration) {
 		sim := providersim.New(providersim.Config{})
-		clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+		clock := newFakeClock()
 		c, requests := countPaths(t, sim, clock, nil, "/api/sticky/list/104", "/api/iplist/http-auth/json/101")
-		cfg.LookupHost = sim.LookupHost
+		cfg.LookupHost, cfg.Now = sim.LookupHost, clock.Now
 		p, err := NewPoller(c, cfg, nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		p.now = clock.Now
 		if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
 			t.Fatal(err)
 		}
@@ -907,19 +899,18 @@ func TestPollerShrinkNotConfirmedEarly(t *testing.T) {
 		ten = append(ten, providersim.Entry{Host: fmt.Sprintf("10.0.1.%d", i+1), Port: 8080, Login: "u", Password: "p"})
 	}
 	one := ten[:1]
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	clock := newFakeClock()
 	var failSocks atomic.Bool
 	c, requests := countPaths(t, sim, clock, func(path string) bool {
 		return failSocks.Load() && strings.HasPrefix(path, "/api/iplist/socks-ip/")
 	}, "/api/iplist/http-auth/")
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
 		c.Services = []int{101}
-		c.IPList, c.MaxBackoff, c.Jitter = time.Minute, 10*time.Minute, 0
+		c.IPList, c.MaxBackoff, c.Jitter, c.Now = time.Minute, 10*time.Minute, 0, clock.Now
 	}), nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.now = clock.Now
 	ctx := context.Background()
 	entries := func() int { return len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]) }
 	sim.SetEntries(101, "http-auth", ten)
@@ -973,25 +964,19 @@ func TestPollerShrinkNotConfirmedEarly(t *testing.T) {
 // next regular one, an account interval later.
 func TestPollerServiceListShrinkConfirmedOnlyAtInterval(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	clock := newFakeClock()
 	var empty atomic.Bool
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if empty.Load() && r.URL.Path == "/api/services" {
 			io.WriteString(w, "[]")
-			return
+			return true
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	defer srv.Close()
-	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
+		return false
+	})
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Jitter, c.Now = 0, clock.Now }), nil, nil) // account 15m
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Jitter = 0 }), nil, nil) // account 15m
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.now = clock.Now
 	ctx := context.Background()
 	if err := p.PollOnce(ctx, LoopAccount); err != nil {
 		t.Fatal(err)
@@ -1022,8 +1007,8 @@ func TestPollerServiceListShrinkConfirmedOnlyAtInterval(t *testing.T) {
 // daemon's saved pool stands behind it, unlike a service's first empty
 // IP list, which any later poll confirms.
 func TestPollerFirstEmptyServiceListConfirmedOnlyAtInterval(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, DefaultPollConfig()) // account 15m, jitter 0.1
-	clock := fakeNow(p)
+	clock := newFakeClock()
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Now = clock.Now })) // account 15m, jitter 0.1
 	ctx := context.Background()
 	confirmed := func() bool {
 		p.mu.Lock()
@@ -1059,11 +1044,11 @@ func TestPollerListsBackoffPerService(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
 	var mu sync.Mutex
 	lists := map[int]int{} // IP list requests by service
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if r.URL.Path == "/api/sticky/list/102" {
 			w.WriteHeader(http.StatusUnprocessableEntity)
 			io.WriteString(w, `{"error":"sticky sessions unavailable"}`)
-			return
+			return true
 		}
 		if strings.HasPrefix(r.URL.Path, "/api/iplist/") {
 			id, _ := strconv.Atoi(r.URL.Path[strings.LastIndex(r.URL.Path, "/")+1:])
@@ -1071,23 +1056,17 @@ func TestPollerListsBackoffPerService(t *testing.T) {
 			lists[id]++
 			mu.Unlock()
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	defer srv.Close()
-	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
+		return false
+	})
+	clock := newFakeClock()
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
 		c.Services = []int{101, 102}
 		c.IPList, c.MaxBackoff, c.Jitter = 10*time.Minute, 10*time.Minute, 0
-		c.LookupHost = sim.LookupHost
+		c.LookupHost, c.Now = sim.LookupHost, clock.Now
 	}), nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
-	p.now = clock.Now
 	if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
 		t.Fatal(err)
 	}
@@ -1109,30 +1088,24 @@ func TestPollerListsBackoffPerService(t *testing.T) {
 // 104's rate, in the account loop the service list. On a fake clock.
 func TestPollerKickKeepsRateLimitWait(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	clock := newFakeClock()
 	var limited atomic.Bool
 	tooMany := func(path string) bool {
 		return path == "/api/rate/104" || limited.Load() && path == "/api/services"
 	}
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if tooMany(r.URL.Path) {
 			w.WriteHeader(http.StatusTooManyRequests)
 			io.WriteString(w, `{"error":"Too Many Attempts. Next update possible: 2026-11-21 10:30:00"}`)
-			return
+			return true
 		}
-		sim.ServeHTTP(w, r)
-	}))
-	defer srv.Close()
-	c, err := New(clientConfig(srv.URL, "sim-token", 5*time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{102, 104}; c.Jitter = 0 })
+		return false
+	})
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{102, 104}; c.Jitter = 0; c.Now = clock.Now })
 	p, err := NewPoller(c, cfg, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.now = clock.Now
 	ctx := context.Background()
 	if err := p.PollOnce(ctx, LoopAccount); err != nil {
 		t.Fatal(err)
@@ -1179,9 +1152,9 @@ func TestPollerKickKeepsRateLimitWait(t *testing.T) {
 // clears them all (the new provider owes nothing to the old one's
 // backoff or 429).
 func TestPollerClocksBounded(t *testing.T) {
-	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
+	clock := newFakeClock()
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102}; c.Now = clock.Now })
 	p, _, _ := newPollerForTest(t, cfg)
-	clock := fakeNow(p)
 	ctx := context.Background()
 	pollAll(t, p)
 	count := func() (n int) {
@@ -1239,7 +1212,7 @@ func TestPollerClocksBounded(t *testing.T) {
 // PollConfig.Now is the poller's clock: a test outside the package can
 // confirm a shrunken list by moving it an interval on.
 func TestPollerConfigNow(t *testing.T) {
-	clock := &fakeClock{t: time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)}
+	clock := newFakeClock()
 	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
 		c.Services, c.Protocols, c.Now = []int{101}, []string{"http"}, clock.Now
 	}))

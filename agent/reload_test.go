@@ -128,12 +128,12 @@ func TestPollerReconfigureProviderChange(t *testing.T) {
 func TestPollerReconfigureSameProvider(t *testing.T) {
 	sim, client := simServer(t)
 	sim.SetEntries(104, "ppr-http", gatewayEntries(6))
-	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{104}; c.Protocols = []string{"http"} })
+	clock := newFakeClock()
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{104}; c.Protocols = []string{"http"}; c.Now = clock.Now })
 	p, err := NewPoller(client, cfg, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	clock := fakeNow(p)
 	pollAll(t, p)
 	sim.SetEntries(104, "ppr-http", gatewayEntries(2))
 	cfg.IPList = 2 * time.Second
