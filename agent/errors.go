@@ -41,7 +41,7 @@ type APIError struct {
 	Status      int       // HTTP status; 2xx for a refusal
 	Method      string    // request method, when known
 	Route       string    // route template, e.g. "/api/service/{id}"
-	Message     string    // the provider's message, one trimmed line ("error" of a JSON body, or a one-line text body)
+	Message     string    // the provider's message, trimmed ("error" of a JSON body, or a one-line text body); one line for a refusal
 	Body        string    // excerpt of the response body: at most 256 bytes, valid UTF-8, "..." when cut
 	NextAllowed time.Time // 429: when the next IP list update is allowed (UTC); zero if not given
 
@@ -109,12 +109,12 @@ func refusal(status int, route string, body []byte, actions ...string) *APIError
 	if !ok {
 		return nil
 	}
-	msg := stringField(obj, "error")
+	msg := oneLine(stringField(obj, "error"))
 	for i := 0; msg == "" && i < len(actions); i++ {
 		raw, _ := lookupFold(obj, actions[i])
 		if inner, ok := jsonObject(raw); ok {
-			if m := stringField(inner, "error"); m != "" {
-				msg = oneLine(actions[i] + ": " + m)
+			if m := oneLine(stringField(inner, "error")); m != "" {
+				msg = excerpt([]byte(actions[i]+": "+m), maxExcerpt)
 			}
 		}
 	}
@@ -140,7 +140,8 @@ func newAPIError(status int, route string, body []byte, msg string) *APIError {
 }
 
 // errorMessage extracts the provider's message: the "error" (or "message")
-// string of a JSON object, or a short one-line text body, as oneLine.
+// string of a JSON object, or a short one-line text body. Both are trimmed,
+// since some provider messages end in a space.
 func errorMessage(body []byte) string {
 	trimmed := bytes.TrimSpace(body)
 	if len(trimmed) == 0 {
@@ -155,10 +156,10 @@ func errorMessage(body []byte) string {
 	if trimmed[0] == '"' { // a bare JSON string
 		var s string
 		if json.Unmarshal(trimmed, &s) == nil {
-			return oneLine(s)
+			return excerpt([]byte(strings.TrimSpace(s)), maxExcerpt)
 		}
 	}
-	return oneLine(string(trimmed))
+	return string(trimmed)
 }
 
 // jsonObject decodes body as a JSON object; ok is false for anything else.
@@ -170,8 +171,9 @@ func jsonObject(body []byte) (obj map[string]json.RawMessage, ok bool) {
 	return obj, true
 }
 
-// stringField returns, as oneLine, the first non-blank string value of
-// obj under one of keys (matched as lookupFold does); "" if none.
+// stringField returns the first non-blank string value of obj under one
+// of keys (matched as lookupFold does), trimmed and cut to maxExcerpt; ""
+// if none.
 func stringField(obj map[string]json.RawMessage, keys ...string) string {
 	for _, key := range keys {
 		raw, ok := lookupFold(obj, key)
@@ -179,19 +181,19 @@ func stringField(obj map[string]json.RawMessage, keys ...string) string {
 			continue
 		}
 		var s string
-		if json.Unmarshal(raw, &s) == nil {
-			if msg := oneLine(s); msg != "" {
-				return msg
-			}
+		if json.Unmarshal(raw, &s) == nil && strings.TrimSpace(s) != "" {
+			return excerpt([]byte(strings.TrimSpace(s)), maxExcerpt)
 		}
 	}
 	return ""
 }
 
-// oneLine makes a message of the provider fit one line of a log or an
+// oneLine makes the message of a refusal fit one line of a log or an
 // error: each run of characters that are not printable (line breaks,
-// tabs, escapes) becomes one space, the ends are trimmed (some provider
-// messages end in a space), and it is cut to maxExcerpt.
+// tabs, escapes) becomes one space, the ends are trimmed, and it is cut
+// to maxExcerpt. The messages of non-2xx answers keep their line breaks,
+// which callers may render their own way (proxyd api joins them with
+// "; ").
 func oneLine(s string) string {
 	var b strings.Builder
 	gap := false
