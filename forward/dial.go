@@ -33,8 +33,8 @@ type dialer struct {
 
 // pipelineBook is what SOCKS5 upstreams with credentials showed of
 // pipelined handshakes (see dialer.tunnel), by address: true once one
-// worked (or ended in the upstream's verdict), false once one failed
-// where one message at a time might not have.
+// worked (or ended in a reply code, which says the request was read),
+// false once one failed where one message at a time might not have.
 type pipelineBook struct {
 	m sync.Map // upstream address → bool
 	n atomic.Int64
@@ -46,24 +46,28 @@ const maxPipelineBook = 1 << 16
 
 // lookup says whether to pipeline the handshake with the upstream at addr,
 // and whether that is known to work there.
-func (b *pipelineBook) lookup(addr string) (pipeline, known bool) {
+func (b *pipelineBook) lookup(addr string) (pipeline, works bool) {
 	if v, ok := b.m.Load(addr); ok {
 		return v.(bool), v.(bool)
 	}
 	return b.n.Load() < maxPipelineBook, false
 }
 
-// learn records what the upstream at addr showed, unless something was
-// recorded first; it reports whether this was the first.
-func (b *pipelineBook) learn(addr string, works bool) bool {
-	if b.n.Load() >= maxPipelineBook {
-		return false
+// record notes what the upstream at addr showed: a success counts only
+// where nothing is known yet; a failure is kept for good, also over a
+// success. It reports whether the entry changed.
+func (b *pipelineBook) record(addr string, works bool) bool {
+	v, ok := b.m.Load(addr)
+	if !ok {
+		if b.n.Load() >= maxPipelineBook {
+			return false
+		}
+		if v, ok = b.m.LoadOrStore(addr, works); !ok {
+			b.n.Add(1)
+			return true
+		}
 	}
-	if _, loaded := b.m.LoadOrStore(addr, works); loaded {
-		return false
-	}
-	b.n.Add(1)
-	return true
+	return !works && v.(bool) && b.m.CompareAndSwap(addr, true, false)
 }
 
 func newDialer(cfg Config, log *slog.Logger) *dialer {
@@ -147,50 +151,52 @@ func isTimeout(err error) bool {
 // the request in one write (socks5.Client.Pipeline): two round trips fewer
 // per tunnel, which on a remote gateway is most of a tunnel's set-up time.
 // RFC 1928 does not promise that a server keeps bytes that come before its
-// answer. Until a pipelined handshake has worked with an upstream (or ended
-// in a reply code, which says the request was read), one that fails after
-// the greeting's answer (socks5.ErrPipelineFailed: a refusal of the one
-// method offered, or no usable answer to the credentials or the request
-// before handshake_timeout) is not blamed for it: the same attempt asks it
-// again one message at a time on a new connection, within what is left of
-// retry_timeout, and so does every later one. An upstream whose first
-// pipelined tunnel waits on a destination slower than handshake_timeout
-// is taken for one that drops bytes: it only loses the round trips saved.
+// answer, and a pipelined greeting offers username/password alone. A
+// pipelined handshake that fails where one message at a time might not
+// have (socks5.ErrPipelineFailed: the upstream closed or answered garbage,
+// refused the one method offered, or left the credentials unanswered until
+// handshake_timeout) is not blamed: the upstream gets one message at a time
+// from then on, the same attempt asks it again so on a new connection
+// within what is left of retry_timeout, and the duration reported is that
+// try's. Exceptions: a try cut by the client or the listener teaches
+// nothing; one cut by retry_timeout is learned but not tried again; and
+// where pipelined handshakes have worked before, a silence is the
+// upstream's, judged as any.
 func (d *dialer) tunnel(ctx context.Context, u *pool.Upstream, dest socks5.Addr) (c net.Conn, took time.Duration, derr *attemptError) {
-	pipeline, known := false, false
+	pipeline, works := false, false
 	if u.Protocol == pool.SOCKS5 && u.Username != "" {
-		pipeline, known = d.pipelining.lookup(u.Address)
+		pipeline, works = d.pipelining.lookup(u.Address)
 	}
 	start := time.Now()
-	c, derr, pipelineFailed := d.tunnelOnce(ctx, u, dest, pipeline)
-	if !pipeline || known {
-		return c, time.Since(start), derr
-	}
-	if !pipelineFailed {
-		if derr == nil || derr.h.what == wSOCKSReply {
-			d.pipelining.learn(u.Address, true)
+	c, derr, pipeErr := d.tunnelOnce(ctx, u, dest, pipeline)
+	switch {
+	case !pipeline:
+	case pipeErr == nil:
+		if !works && (derr == nil || derr.h.what == wSOCKSReply) {
+			d.pipelining.record(u.Address, true)
 		}
-		return c, time.Since(start), derr
+	case derr.h.what == wClientGone:
+	case works && isTimeout(pipeErr):
+	default:
+		if d.pipelining.record(u.Address, false) {
+			d.log.Info("SOCKS5 upstream failed a pipelined handshake; it gets one message at a time from now on",
+				"upstream", u.Address, "err", pipeErr)
+		}
+		if derr.h.what != wBudget {
+			start = time.Now()
+			c, derr, _ = d.tunnelOnce(ctx, u, dest, false)
+		}
 	}
-	if d.pipelining.learn(u.Address, false) {
-		d.log.Info("SOCKS5 upstream failed a pipelined handshake; it gets one message at a time from now on",
-			"upstream", u.Address, "err", derr.err)
-	}
-	if derr.h.what == wClientGone || derr.h.what == wBudget {
-		return c, time.Since(start), derr
-	}
-	start = time.Now()
-	c, derr, _ = d.tunnelOnce(ctx, u, dest, false)
 	return c, time.Since(start), derr
 }
 
-// tunnelOnce is one try of tunnel, on one new connection; pipelineFailed
-// reports a pipelined handshake's socks5.ErrPipelineFailed, also when the
+// tunnelOnce is one try of tunnel, on one new connection; pipeErr is a
+// pipelined handshake's socks5.ErrPipelineFailed as it came, also when the
 // client left or the budget ended before the answer could come.
-func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.Addr, pipeline bool) (_ net.Conn, _ *attemptError, pipelineFailed bool) {
+func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.Addr, pipeline bool) (_ net.Conn, _ *attemptError, pipeErr error) {
 	c, derr := d.dialTCP(ctx, u)
 	if derr != nil {
-		return nil, derr, false
+		return nil, derr, nil
 	}
 	start := time.Now()
 	deadline := start.Add(d.handshakeTimeout)
@@ -209,19 +215,21 @@ func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.A
 	}
 	if stop() && derr == nil {
 		_ = c.SetDeadline(time.Time{})
-		return out, nil, false
+		return out, nil, nil
 	}
 	_ = c.Close()
-	pipelineFailed = derr != nil && errors.Is(derr.err, socks5.ErrPipelineFailed)
+	if derr != nil && errors.Is(derr.err, socks5.ErrPipelineFailed) {
+		pipeErr = derr.err
+	}
 	if ctx.Err() != nil && !upstreamTimeout(ctx) {
-		return nil, failed(wClientGone, context.Cause(ctx)), pipelineFailed
+		return nil, failed(wClientGone, context.Cause(ctx)), pipeErr
 	}
 	if derr == nil || isTimeout(derr.err) && cutByBudget(ctx, start, d.handshakeTimeout) {
 		// The budget ran out before handshake_timeout did (or just as the
 		// answer came).
 		derr = failed(wBudget, errAttemptTimeout)
 	}
-	return nil, derr, pipelineFailed
+	return nil, derr, pipeErr
 }
 
 // socksHandshake reads the upstream's answers through a small buffer: a

@@ -920,6 +920,75 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 		}
 	})
 
+	t.Run("silent where pipelining worked before", func(t *testing.T) {
+		// A silence after a pipelined handshake worked with the upstream
+		// is the upstream's: judged as any, not tried again.
+		up, pu, p, tl, echo := setup(t, setting{user: "u", pass: "p"})
+		tunnel(t, tl, echo)
+		up.mode.Store(int32(modeReadPerMessage))
+		c, _, resp := rawConnect(t, tl.addr, echo, "")
+		c.Close()
+		if resp.StatusCode == http.StatusOK {
+			t.Fatal("the tunnel opened through a silent upstream")
+		}
+		p.waitBalanced(t)
+		if r := p.Reports(); len(r) != 2 || r[1] != (report{pu.ID(), pool.HandshakeTimeout}) {
+			t.Fatalf("reports %+v, want a success, then handshake_timeout", r)
+		}
+		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, pipelined}) {
+			t.Errorf("first reads %v, want two pipelined handshakes and no retry", got)
+		}
+	})
+
+	t.Run("closes at once where pipelining worked before", func(t *testing.T) {
+		// A quick failure that may be the pipeline's is tried again one
+		// message at a time even where pipelining worked, and the upstream
+		// keeps getting one message at a time.
+		up, pu, p, tl, echo := setup(t, setting{user: "u", pass: "p"})
+		tunnel(t, tl, echo)
+		up.mode.Store(int32(modeCloseAtOnce))
+		c, _, resp := rawConnect(t, tl.addr, echo, "")
+		c.Close()
+		if resp.StatusCode == http.StatusOK {
+			t.Fatal("the tunnel opened through an upstream that closes")
+		}
+		if pipeline, _ := tl.dialer.pipelining.lookup(pu.Address); pipeline {
+			t.Error("the upstream still gets pipelined handshakes")
+		}
+		up.mode.Store(int32(modeOK))
+		tunnel(t, tl, echo)
+		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, greeting}) {
+			t.Errorf("first reads %v, want a pipelined tunnel, then one message at a time", got)
+		}
+		p.waitBalanced(t)
+		if r := p.Reports(); len(r) != 3 || r[1] != (report{pu.ID(), pool.HandshakeTimeout}) {
+			t.Errorf("reports %+v, want the failure judged on the try one message at a time", r)
+		}
+	})
+
+	t.Run("listener closes during a pipelined try", func(t *testing.T) {
+		// A try cut by proxyd itself teaches nothing: the successor's
+		// next tunnel is pipelined again.
+		up, pu, p, tl, echo := setup(t, setting{user: "u", pass: "p", mode: modeReadPerMessage})
+		c, _ := dialRaw(t, tl.addr)
+		defer c.Close()
+		fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", echo, echo)
+		waitFor(t, 5*time.Second, func() bool { return len(up.Firsts()) == 1 }, "the pipelined try reached the upstream")
+		_ = tl.Close()
+		p.waitBalanced(t)
+		if r := p.Reports(); len(r) != 1 || r[0] != (report{pu.ID(), pool.Canceled}) {
+			t.Fatalf("reports %+v, want one without verdict", r)
+		}
+		next := startSuccessor(t, testConfig(func(c *Config) {
+			c.AllowDestinations = loopbackAllowed
+			c.HandshakeTimeout = handshake
+		}), p, tl.Listener)
+		tunnel(t, next, echo)
+		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, pipelined, greeting}) {
+			t.Errorf("first reads %v, want the next tunnel pipelined, then one message at a time", got)
+		}
+	})
+
 	t.Run("no credentials", func(t *testing.T) {
 		up, pu, p, tl, echo := setup(t, setting{})
 		pu.Username, pu.Password = "", ""

@@ -278,7 +278,7 @@ func (d *daemon) adminAddr() string {
 // same name a reload retires (its open connections count against the new
 // one's max_connections); d.mu is held.
 func (d *daemon) startListener(lc listenerConfig, acc *acceptor, prev *runningListener) error {
-	l, err := forward.NewListener(lc.Config, d.pool, d.metrics.Listener(lc.Name), d.log.With("listener", lc.Name))
+	l, err := forward.NewListener(lc.Config, d.pool, d.metrics.Listener(lc.Name), d.log) // forward adds "listener"
 	if err != nil {
 		return fmt.Errorf("listener %s: %w", lc.Name, err)
 	}

@@ -1,9 +1,12 @@
 package socks5
 
 import (
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
+	"os"
 )
 
 // clientBufSize holds the largest write of the client side: a pipelined
@@ -59,12 +62,14 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 		return Addr{}, ErrBadCredentials
 	}
 	var buf [clientBufSize]byte
-	// A pipelined handshake with credentials that fails once the greeting
-	// was answered, other than by the upstream's verdict (credentials
-	// refused, a reply code), says so: ErrPipelineFailed.
-	piped, answered, verdict := c.Pipeline && user != "", false, false
+	// A pipelined handshake with credentials says when it failed where one
+	// message at a time might not have (ErrPipelineFailed): not by the
+	// upstream's verdict (credentials refused, a reply code), and not by a
+	// silence before the greeting's answer or after the credentials' answer,
+	// which one message at a time would meet too.
+	piped, credentials, verdict := c.Pipeline && user != "", false, false
 	defer func() {
-		if err != nil && piped && answered && !verdict {
+		if err != nil && piped && !verdict && (credentials || !isTimeout(err)) {
 			err = fmt.Errorf("%w: %w", ErrPipelineFailed, err)
 		}
 	}()
@@ -93,12 +98,12 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 	if buf[0] != VersionSOCKS5 {
 		return Addr{}, malformed(fmt.Sprintf("method selection version 0x%02x", buf[0]), nil)
 	}
-	answered = true
 	switch m := buf[1]; {
 	case m == MethodNoAcceptable:
 		return Addr{}, ErrAuthRejected
 	case m == MethodNoAuth && !(c.Pipeline && user != ""):
 	case m == MethodUserPass && user != "":
+		credentials = true // awaiting their answer
 		if !c.Pipeline {
 			b = appendUserPass(buf[:0], user, pass)
 			if _, err := rw.Write(b); err != nil {
@@ -117,6 +122,7 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 			verdict = true
 			return Addr{}, fmt.Errorf("%w: status 0x%02x", ErrAuthRejected, buf[1])
 		}
+		credentials = false
 	default:
 		return Addr{}, malformed(fmt.Sprintf("upstream selected method 0x%02x that was not offered", m), nil)
 	}
@@ -182,4 +188,10 @@ func appendUserPass(b []byte, user, pass string) []byte {
 // appendRequest appends a CONNECT request for dest; dest is checked.
 func appendRequest(b []byte, dest Addr) []byte {
 	return appendAddr(append(b, VersionSOCKS5, CmdConnect, 0), dest)
+}
+
+// isTimeout reports whether err is a deadline that passed.
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()
 }

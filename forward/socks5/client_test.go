@@ -385,11 +385,12 @@ func TestClientPipelineOverLoopback(t *testing.T) {
 	}
 }
 
-// A pipelined handshake whose greeting was answered and whose credentials
-// or request got no usable answer says so (ErrPipelineFailed), whatever
-// the upstream did instead; a verdict (credentials refused, a reply code),
-// a failure before the greeting's answer, and the same failures one message
-// at a time do not.
+// A pipelined handshake says when it failed where one message at a time
+// might not have (ErrPipelineFailed): the upstream closed or answered
+// garbage at any point, or left the credentials unanswered; a verdict
+// (credentials refused, a reply code) and a silence before the greeting's
+// answer or after the credentials' answer do not, and neither do the same
+// failures one message at a time.
 func TestClientPipelineUnanswered(t *testing.T) {
 	pipelined := Client{Pipeline: true}
 	for _, c := range []struct {
@@ -465,8 +466,37 @@ func TestClientPipelineUnanswered(t *testing.T) {
 		client, server := loopbackPair(t)
 		goOwned(t, func() { upstreamScript{}.run(server) })
 		_, err := pipelined.Handshake(client, exampleDst, "u", "p")
-		if err == nil || errors.Is(err, ErrPipelineFailed) {
-			t.Fatalf("err = %v, want a failure that is not ErrPipelineFailed", err)
+		if !errors.Is(err, ErrPipelineFailed) {
+			t.Fatalf("err = %v, want ErrPipelineFailed", err)
 		}
 	})
+
+	// Silent before the greeting's answer, or after the credentials'
+	// answer (where a slow destination keeps the reply back).
+	for _, c := range []struct {
+		name string
+		s    upstreamScript
+	}{
+		{"silent before the greeting's answer", upstreamScript{}},
+		{"silent after the credentials' answer", upstreamScript{method: []byte{5, 2}, authStatus: []byte{1, 0}}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			client, server := loopbackPair(t)
+			goOwned(t, func() {
+				defer server.Close()
+				b := make([]byte, 512)
+				server.Read(b)
+				if c.s.method != nil {
+					server.Write(append(c.s.method, c.s.authStatus...))
+				}
+				server.Read(b) // until the client gives up
+			})
+			client.SetDeadline(time.Now().Add(200 * time.Millisecond))
+			_, err := pipelined.Handshake(client, exampleDst, "u", "p")
+			client.Close()
+			if !errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, ErrPipelineFailed) {
+				t.Fatalf("err = %v, want the deadline alone", err)
+			}
+		})
+	}
 }

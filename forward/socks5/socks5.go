@@ -88,16 +88,18 @@ var (
 	// The returned error wraps it together with the detail.
 	ErrMalformed = errors.New("socks5: malformed message")
 	// ErrPipelineFailed: a pipelined handshake (Client.Pipeline with a
-	// username) failed after the upstream answered the greeting, where one
-	// message at a time might not have: the upstream refused the one method
+	// username) failed where one message at a time might not have: the
+	// upstream closed, reset or answered something that is not SOCKS5
+	// (before or after the greeting's answer), refused the one method
 	// offered (0xFF; one message at a time offers no-auth too) or selected
-	// no-auth though it was not offered, or gave no usable answer to the
-	// credentials or the request sent along with the greeting (it closed,
-	// answered something else, or stayed silent until the deadline), as a
-	// server does that drops bytes arriving before its answer. A refusal of
-	// the credentials and a reply with a failure code are answers, not
-	// this. The returned error wraps it together with the cause
-	// (ErrAuthRejected, ErrMalformed, the network error).
+	// no-auth though it was not offered, or left the credentials sent along
+	// with the greeting unanswered until the deadline, as a server does that
+	// drops bytes arriving before its answer. A silence before the
+	// greeting's answer or after the credentials' answer is not this (one
+	// message at a time meets it too), and neither is a verdict: the
+	// credentials refused, a reply with a failure code. The returned error
+	// wraps it together with the cause (ErrAuthRejected, ErrMalformed, the
+	// network error).
 	ErrPipelineFailed = errors.New("socks5: pipelined handshake failed")
 	// ErrBadAddress: an address given to ClientHandshake or WriteReply
 	// cannot be sent: not an IP literal without zone nor a domain name of
