@@ -77,25 +77,29 @@ func pickFirst(hs []*host, start uint64, f *filter) (i int, passed uint64) {
 // pickTurn is round robin over the eligible members of hs: the member whose
 // turn the cursor rr gives, or else the first eligible one after it.
 func pickTurn(hs []*host, rr *atomic.Uint64, f *filter) int {
-	return takeTurn(hs, rr, f, pickFirst)
+	return takeTurn(hs, rr, f, false)
 }
 
-// scan is a strategy that scans hs from start (pickFirst, pickLeastConn):
-// it returns the index of the member it chose or -1, and how many members
-// it passed over before it.
-type scan func(hs []*host, start uint64, f *filter) (i int, passed uint64)
-
-// takeTurn runs pick from the turn the cursor rr gives and then moves the
-// cursor past the chosen member, so that the members it passed over used
-// up their turns: after a run of ineligible members the next eligible one
-// gets its own turn, not the whole run's (a member after k ejected ones
-// would take k+1 turns a round), and every eligible member gets one turn a
-// round. Picks at the same instant that start in the same run may still
-// meet on one member. One atomic add when the turn's member is chosen, a
-// load and a compare-and-swap or a few more when it is not.
-func takeTurn(hs []*host, rr *atomic.Uint64, f *filter, pick scan) int {
+// takeTurn runs a scan, pickFirst or (leastConn) pickLeastConn, from the
+// turn the cursor rr gives, and then moves the cursor past the chosen
+// member, so that the members it passed over used up their turns: after a
+// run of ineligible members the next eligible one gets its own turn, not
+// the whole run's (a member after k ejected ones would take k+1 turns a
+// round), and every eligible member gets one turn a round. Picks at the
+// same instant that start in the same run may still meet on one member.
+// One atomic add when the turn's member is chosen, a load and a
+// compare-and-swap or a few more when it is not. A flag says which scan,
+// not a func value: escape analysis cannot see through the call of a func
+// value, and every pick's filter would move to the heap.
+func takeTurn(hs []*host, rr *atomic.Uint64, f *filter, leastConn bool) int {
 	start := rr.Add(1) - 1
-	i, passed := pick(hs, start, f)
+	var i int
+	var passed uint64
+	if leastConn {
+		i, passed = pickLeastConn(hs, start, f)
+	} else {
+		i, passed = pickFirst(hs, start, f)
+	}
 	if i >= 0 && passed > 0 {
 		passTurns(rr, start, passed)
 	}
@@ -248,7 +252,7 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 				i = pickTurn(hs, &sl.rr, f)
 			}
 		case LeastConn:
-			i = takeTurn(hs, &sl.rr, f, pickLeastConn)
+			i = takeTurn(hs, &sl.rr, f, true)
 		case Latency:
 			hs = p.band(sl, f.quota, false).hosts
 			if i = pickTurn(hs, &sl.rr, f); i < 0 {
