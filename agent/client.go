@@ -414,6 +414,7 @@ func (c *Client) request(ctx context.Context, method, route string, args []strin
 	if status < 200 || status > 299 {
 		apiErr := decodeError(status, route, c.scrub(respBody))
 		apiErr.Method = method
+		c.scrubMessage(apiErr)
 		if status == http.StatusTooManyRequests && apiErr.NextAllowed.IsZero() {
 			apiErr.NextAllowed = retryAfter(header.Get("Retry-After"), time.Now())
 		}
@@ -476,14 +477,24 @@ func (c *Client) done(method, route, code string, took time.Duration, err error)
 const minScrubLen = 4
 
 // scrub replaces the credential in b: a misbehaving server or proxy might
-// echo the Authorization header into an error page.
+// echo the Authorization header into an error page. A JSON body may carry
+// it with "/" escaped as "\/" (PHP does), which is replaced too.
 func (c *Client) scrub(b []byte) []byte {
 	for _, s := range c.secrets {
-		if bytes.Contains(b, []byte(s)) {
-			b = bytes.ReplaceAll(b, []byte(s), []byte("[redacted]"))
+		for _, v := range [...]string{s, strings.ReplaceAll(s, "/", `\/`)} {
+			if bytes.Contains(b, []byte(v)) {
+				b = bytes.ReplaceAll(b, []byte(v), []byte("[redacted]"))
+			}
 		}
 	}
 	return b
+}
+
+// scrubMessage scrubs e's message once more after decoding: JSON escapes
+// (PHP writes "/" as "\/") hide a credential from the scrub of the raw
+// body.
+func (c *Client) scrubMessage(e *APIError) {
+	e.Message = string(c.scrub([]byte(e.Message)))
 }
 
 func (c *Client) scrubErr(err error) error {

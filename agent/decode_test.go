@@ -203,7 +203,9 @@ func changingCalls(c *Client) map[string]func() error {
 // an action), is a refusal: the call fails with a *APIError carrying the
 // provider's message on one line.
 func TestRefusalIn200Answer(t *testing.T) {
-	all := []string{"order", "update", "rotate", "changettl", "resetall"}
+	// An order is not among them: an order answer is read as before (an
+	// error string next to a placed order must not make it look refused).
+	all := []string{"update", "rotate", "changettl", "resetall"}
 	for _, tc := range []struct {
 		body    string
 		refused []string // the calls that fail; the others must not fail with a *APIError
@@ -248,7 +250,9 @@ func TestRefusalIn200Answer(t *testing.T) {
 func TestNoRefusalWithoutErrorObject(t *testing.T) {
 	for _, body := range []string{``, `[]`, `null`, `"Session not found"`, `[{"error":"x"}]`, `{"success":"rotated"}`,
 		`{"message":"Session rotated"}`, `{"error":""}`, `{"error":"  "}`, `{"error":null,"ip":"198.51.100.9"}`, `{"error":false}`,
-		`{"error":{"code":3}}`, `{"session":{"error":"x"}}`, `{"update_list":{"success":"IP list updated successfully"}}`, `{"error":`} {
+		`{"error":{"code":3}}`, `{"session":{"error":"x"}}`, `{"update_list":{"success":"IP list updated successfully"}}`, `{"error":`,
+		`{"success":true,"error":"0"}`, `{"status":"ok","error":"none","ip":"198.51.100.9"}`, `{"error":"false"}`,
+		`{"Success":"rotated","error":"Session rotated"}`, `{"update_list":{"success":"IP list updated successfully","error":"0"}}`} {
 		srv, _ := serve(t, 200, body)
 		for name, call := range changingCalls(newTestClient(t, srv.URL)) {
 			err := call()
@@ -341,6 +345,29 @@ func TestDecodeErrorKeepsProviderMessage(t *testing.T) {
 		var de *DecodeError
 		if !errors.As(err, &de) || !strings.Contains(err.Error(), `provider says "Service not found"`) {
 			t.Errorf("err = %v, want a DecodeError with the provider's message", err)
+		}
+	}
+}
+
+// A credential that JSON escapes hide from the scrub of the raw body
+// (PHP writes "/" as "\/") is scrubbed from the decoded message too, on
+// an error answer and on a refusal in a 200 alike.
+func TestScrubEscapedCredential(t *testing.T) {
+	const token = "tok/Zq9XvB7rLm2+Kp4Ws8Yt1"
+	escaped := strings.ReplaceAll(token, "/", `\/`)
+	for _, status := range []int{422, 200} {
+		srv, _ := serve(t, status, `{"error":"bad token `+escaped+`"}`)
+		c, err := New(apiConfig(func(c *Config) { c.BaseURL, c.Token, c.Version, c.Timeout = srv.URL, token, "1.2.3", 5*time.Second }))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = c.StickyResetAll(context.Background(), 1)
+		var apiErr *APIError
+		if !errors.As(err, &apiErr) {
+			t.Fatalf("status %d: %v, want a *APIError", status, err)
+		}
+		if strings.Contains(err.Error(), token) || strings.Contains(apiErr.Message, token) || strings.Contains(apiErr.Body, escaped) {
+			t.Errorf("status %d: the token is in the error: %v", status, err)
 		}
 	}
 }

@@ -48,8 +48,8 @@ func call[T any](ctx context.Context, c *Client, method, route string, args []st
 	return decode(c, route, raw, dec)
 }
 
-// change is call for an endpoint that changes the account (an order, a
-// service update, the sticky calls 18–20, which use GET). A 2xx answer
+// change is call for an endpoint that changes the account (a service
+// update, the sticky calls 18–20, which use GET). A 2xx answer
 // whose body is the provider's error object fails as the *APIError of
 // refusal, with the provider's message; actions are the keys of an
 // answer given per action, whose own error objects count too.
@@ -58,6 +58,7 @@ func change[T any](ctx context.Context, c *Client, method, route string, args []
 	if err == nil {
 		if refused := refusal(status, route, c.scrub(raw), actions...); refused != nil {
 			refused.Method = method
+			c.scrubMessage(refused)
 			err = refused
 		}
 	}
@@ -116,7 +117,10 @@ func (c *Client) Product(ctx context.Context, pid int) (*Product, error) {
 // Order orders a new service of product pid for a client, paid from the
 // credit (endpoint 5).
 func (c *Client) Order(ctx context.Context, pid int, o OrderRequest) (*OrderResult, error) {
-	return change(ctx, c, http.MethodPost, RouteProduct, []string{itoa(pid)}, o, object[OrderResult]("serviceId", "orderId", "invoiceId"))
+	// Not change: an order answer that carries its service or invoice next
+	// to an error string may have been placed and paid; taken for a
+	// refusal, it could be ordered twice.
+	return call(ctx, c, http.MethodPost, RouteProduct, []string{itoa(pid)}, o, object[OrderResult]("serviceId", "orderId", "invoiceId"))
 }
 
 // Products lists the products (endpoint 6).

@@ -101,19 +101,21 @@ func decodeError(status int, route string, body []byte) *APIError {
 // made. actions are the keys of an answer given per action (the service
 // update's {"update_list": {"success": "..."}}): an action's own
 // {"error": "..."} refuses the call too, and the message names the
-// action. A body that is no JSON object, or one without a non-blank
-// "error" string, is a success: the success bodies of the sticky calls
-// are not public.
+// action. A body that is no JSON object is a success, and so is an object
+// whose "error" is blank, a word for "no error" ("0", "false", "none",
+// ...), or stands beside a "success" key: the success bodies of the
+// sticky calls are not public, and a success that also carries such a
+// field must not be taken for a refusal.
 func refusal(status int, route string, body []byte, actions ...string) *APIError {
 	obj, ok := jsonObject(body)
 	if !ok {
 		return nil
 	}
-	msg := oneLine(stringField(obj, "error"))
+	msg := refusedIn(obj)
 	for i := 0; msg == "" && i < len(actions); i++ {
 		raw, _ := lookupFold(obj, actions[i])
 		if inner, ok := jsonObject(raw); ok {
-			if m := oneLine(stringField(inner, "error")); m != "" {
+			if m := refusedIn(inner); m != "" {
 				msg = excerpt([]byte(actions[i]+": "+m), maxExcerpt)
 			}
 		}
@@ -122,6 +124,20 @@ func refusal(status int, route string, body []byte, actions ...string) *APIError
 		return nil
 	}
 	return newAPIError(status, route, body, msg)
+}
+
+// refusedIn is the one-line "error" message of obj when obj is a refusal
+// (see refusal), else "".
+func refusedIn(obj map[string]json.RawMessage) string {
+	if _, ok := lookupFold(obj, "success"); ok {
+		return ""
+	}
+	msg := oneLine(stringField(obj, "error"))
+	switch strings.ToLower(msg) {
+	case "0", "false", "no", "none", "null", "ok", "n/a":
+		return ""
+	}
+	return msg
 }
 
 // newAPIError builds the APIError of an answer with status and body, and
