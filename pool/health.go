@@ -396,9 +396,12 @@ func (p *Pool) readmit(h *host, now int64) {
 // counts in their caps (counted); its streak stays, for the next ejection's
 // length. The caller holds p.ejectMu.
 func endEjection(s *snapshot, h *host, u *Upstream, now int64) (counted bool) {
+	// readmitted first: a success that sees the ejection over must see
+	// this re-admission too, or it takes the upstream for one healthy
+	// since long and forgets its ejection history (succeeded).
+	h.readmitted.Store(now)
 	h.ejectedUntil.Store(0)
 	h.trial.Store(false)
-	h.readmitted.Store(now)
 	if !capped(h.flags.Load()) {
 		return false
 	}
