@@ -826,6 +826,16 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 		}
 		return took
 	}
+	// config is the listener's, with retry_timeout when retry is not 0.
+	config := func(retry time.Duration) Config {
+		return testConfig(func(c *Config) {
+			c.AllowDestinations = loopbackAllowed
+			c.HandshakeTimeout = handshake
+			if retry != 0 {
+				c.RetryTimeout = retry
+			}
+		})
+	}
 	type setting struct {
 		user, pass string // the upstream's
 		mode       upstreamMode
@@ -839,14 +849,17 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 		pu := up.upstream(1)
 		pu.Username, pu.Password = "u", "p" // what proxyd sends, taken or not
 		p := newFakePool(pu)
-		tl := startListener(t, testConfig(func(c *Config) {
-			c.AllowDestinations = loopbackAllowed
-			c.HandshakeTimeout = handshake
-			if s.retry != 0 {
-				c.RetryTimeout = s.retry
-			}
-		}), p)
+		tl := startListener(t, config(s.retry), p)
 		return up, pu, p, tl, echo
+	}
+	// noTunnel checks that a tunnel through tl does not open.
+	noTunnel := func(t *testing.T, tl *testListener, echo, why string) {
+		t.Helper()
+		c, _, resp := rawConnect(t, tl.addr, echo, "")
+		c.Close()
+		if resp.StatusCode == http.StatusOK {
+			t.Fatal("the tunnel opened " + why)
+		}
 	}
 	wantSuccesses := func(t *testing.T, p *fakePool, pu *pool.Upstream, n int) {
 		t.Helper()
@@ -892,10 +905,7 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 		wantSuccesses(t, p, pu, 2)
 
 		// A reload's successor knows it too.
-		next := startSuccessor(t, testConfig(func(c *Config) {
-			c.AllowDestinations = loopbackAllowed
-			c.HandshakeTimeout = handshake
-		}), p, tl.Listener)
+		next := startSuccessor(t, config(0), p, tl.Listener)
 		tunnel(t, next, echo)
 		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, greeting, greeting, greeting}) {
 			t.Errorf("first reads %v, want the successor's tunnel one message at a time", got)
@@ -904,11 +914,7 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 
 	t.Run("retry_timeout ends before handshake_timeout", func(t *testing.T) {
 		up, pu, p, tl, echo := setup(t, setting{user: "u", pass: "p", mode: modeReadPerMessage, retry: handshake / 3})
-		c, _, resp := rawConnect(t, tl.addr, echo, "")
-		c.Close()
-		if resp.StatusCode == http.StatusOK {
-			t.Fatal("the first tunnel opened: was it pipelined?")
-		}
+		noTunnel(t, tl, echo, "(was it pipelined?)")
 		p.waitBalanced(t)
 		if r := p.Reports(); len(r) != 1 || r[0] != (report{pu.ID(), pool.Canceled}) {
 			t.Fatalf("reports %+v, want one without verdict (the budget ended first)", r)
@@ -926,10 +932,10 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 		up, pu, p, tl, echo := setup(t, setting{user: "u", pass: "p"})
 		tunnel(t, tl, echo)
 		up.mode.Store(int32(modeReadPerMessage))
-		c, _, resp := rawConnect(t, tl.addr, echo, "")
-		c.Close()
-		if resp.StatusCode == http.StatusOK {
-			t.Fatal("the tunnel opened through a silent upstream")
+		before := up.accepted.Load()
+		noTunnel(t, tl, echo, "through a silent upstream")
+		if n := up.accepted.Load() - before; n != 1 {
+			t.Errorf("the failed tunnel made %d connections to the upstream, want 1 (no retry)", n)
 		}
 		p.waitBalanced(t)
 		if r := p.Reports(); len(r) != 2 || r[1] != (report{pu.ID(), pool.HandshakeTimeout}) {
@@ -947,10 +953,10 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 		up, pu, p, tl, echo := setup(t, setting{user: "u", pass: "p"})
 		tunnel(t, tl, echo)
 		up.mode.Store(int32(modeCloseAtOnce))
-		c, _, resp := rawConnect(t, tl.addr, echo, "")
-		c.Close()
-		if resp.StatusCode == http.StatusOK {
-			t.Fatal("the tunnel opened through an upstream that closes")
+		before := up.accepted.Load()
+		noTunnel(t, tl, echo, "through an upstream that closes")
+		if n := up.accepted.Load() - before; n != 2 {
+			t.Errorf("the failed tunnel made %d connections to the upstream, want 2 (pipelined, then one message at a time)", n)
 		}
 		if pipeline, _ := tl.dialer.pipelining.lookup(pu.Address); pipeline {
 			t.Error("the upstream still gets pipelined handshakes")
@@ -979,10 +985,7 @@ func TestSOCKSUpstreamPipelining(t *testing.T) {
 		if r := p.Reports(); len(r) != 1 || r[0] != (report{pu.ID(), pool.Canceled}) {
 			t.Fatalf("reports %+v, want one without verdict", r)
 		}
-		next := startSuccessor(t, testConfig(func(c *Config) {
-			c.AllowDestinations = loopbackAllowed
-			c.HandshakeTimeout = handshake
-		}), p, tl.Listener)
+		next := startSuccessor(t, config(0), p, tl.Listener)
 		tunnel(t, next, echo)
 		if got := up.Firsts(); !slices.Equal(got, []int{pipelined, pipelined, greeting}) {
 			t.Errorf("first reads %v, want the next tunnel pipelined, then one message at a time", got)

@@ -458,6 +458,7 @@ type socksUpstream struct {
 	mu         sync.Mutex
 	targets    []string
 	firsts     []int // per connection, the bytes its first read found
+	accepted   atomic.Int64
 	wg         sync.WaitGroup
 	conns      sync.Map
 }
@@ -496,6 +497,7 @@ func (s *socksUpstream) accept() {
 		if err != nil {
 			return
 		}
+		s.accepted.Add(1)
 		s.conns.Store(c, struct{}{})
 		s.wg.Add(1)
 		go func() {
