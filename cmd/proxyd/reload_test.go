@@ -574,8 +574,7 @@ func TestReloadKeepsTunnels(t *testing.T) {
 			e.d.mu.Lock()
 			old := e.d.listeners["http"]
 			e.d.mu.Unlock()
-			next := e.cfg
-			next.Listener = slices.Clone(next.Listener)
+			next := e.nextConfig()
 			tc.change(&next)
 			if err := e.d.Reload(next); err != nil {
 				t.Fatal(err)
@@ -628,8 +627,7 @@ func TestReloadKeepsTheCap(t *testing.T) {
 		t.Fatalf("first tunnel: %d", code)
 	}
 	defer held.Close()
-	next := e.cfg
-	next.Listener = slices.Clone(next.Listener)
+	next := e.nextConfig()
 	next.Listener[0].IdleTimeout = 10 * time.Minute
 	if err := e.d.Reload(next); err != nil {
 		t.Fatal(err)
@@ -658,8 +656,7 @@ func TestReloadKeepsTheCap(t *testing.T) {
 func TestReloadRenamedListenerMetrics(t *testing.T) {
 	e := startDaemon(t, newWorld(t), t.TempDir(), nil)
 	e.waitReady()
-	next := e.cfg
-	next.Listener = slices.Clone(next.Listener)
+	next := e.nextConfig()
 	next.Listener[0].Name = "web"
 	if err := e.d.Reload(next); err != nil {
 		t.Fatal(err)
@@ -698,6 +695,14 @@ func capHeld(t *testing.T) (e *e2e, addr, echo string, held net.Conn) {
 	return e, addr, echo, held
 }
 
+// nextConfig is the daemon's config to edit for a reload: its listeners
+// are a copy of their own.
+func (e *e2e) nextConfig() config {
+	next := e.cfg
+	next.Listener = slices.Clone(next.Listener)
+	return next
+}
+
 // wantOverCap checks that one more tunnel through addr is refused (503).
 func wantOverCap(t *testing.T, addr, echo, what string) {
 	t.Helper()
@@ -713,8 +718,7 @@ func wantOverCap(t *testing.T, addr, echo, what string) {
 // the socket over, and the connections of the one it replaces still count.
 func TestReloadKeepsTheCapRenamed(t *testing.T) {
 	e, addr, echo, held := capHeld(t)
-	next := e.cfg
-	next.Listener = slices.Clone(next.Listener)
+	next := e.nextConfig()
 	next.Listener[0].Name = "web"
 	if err := e.d.Reload(next); err != nil {
 		t.Fatal(err)
@@ -729,8 +733,7 @@ func TestReloadKeepsTheCapRenamed(t *testing.T) {
 // closed (prepared.abandon closes what is still in sockets).
 func TestReloadUndoKeepsTheCap(t *testing.T) {
 	e, addr, echo, held := capHeld(t)
-	next := e.cfg
-	next.Listener = slices.Clone(next.Listener)
+	next := e.nextConfig()
 	next.Listener[0].IdleTimeout = time.Minute // changed: takes the socket over
 	bad := next.Listener[0]
 	bad.Name, bad.Protocol = "bad", "bogus" // NewListener refuses it
@@ -761,8 +764,7 @@ func TestReloadUndoKeepsTheCap(t *testing.T) {
 // cap of its own (two listeners never share one count).
 func TestReloadRenameAndReuseName(t *testing.T) {
 	e, addr, echo, held := capHeld(t)
-	next := e.cfg
-	next.Listener = slices.Clone(next.Listener)
+	next := e.nextConfig()
 	next.Listener[0].Name = "web"
 	moved := next.Listener[0]
 	moved.Name, moved.Address = "http", freeport.Addr(t)
