@@ -412,9 +412,9 @@ func (c *Client) request(ctx context.Context, method, route string, args []strin
 	}
 	code := strconv.Itoa(status)
 	if status < 200 || status > 299 {
-		apiErr := decodeError(status, route, c.scrub(respBody))
+		apiErr := decodeError(status, route, respBody)
 		apiErr.Method = method
-		c.scrubMessage(apiErr)
+		c.redact(apiErr, respBody)
 		if status == http.StatusTooManyRequests && apiErr.NextAllowed.IsZero() {
 			apiErr.NextAllowed = retryAfter(header.Get("Retry-After"), time.Now())
 		}
@@ -490,11 +490,16 @@ func (c *Client) scrub(b []byte) []byte {
 	return b
 }
 
-// scrubMessage scrubs e's message once more after decoding: JSON escapes
-// (PHP writes "/" as "\/") hide a credential from the scrub of the raw
-// body.
-func (c *Client) scrubMessage(e *APIError) {
+// redact takes the credentials out of what e shows of raw, the body it
+// was read from. The body is read before (a credential's redaction must
+// not change what it says: a short password may be part of a key or of
+// the provider's message); then the message is scrubbed as decoded (JSON
+// escapes, such as PHP's "\/" for "/", hid it in the raw body) and the
+// excerpt is cut again from the scrubbed body (cut first, it could keep
+// part of a credential).
+func (c *Client) redact(e *APIError, raw []byte) {
 	e.Message = string(c.scrub([]byte(e.Message)))
+	e.Body = excerpt(c.scrub(raw), maxExcerpt)
 }
 
 func (c *Client) scrubErr(err error) error {

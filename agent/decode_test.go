@@ -371,3 +371,42 @@ func TestScrubEscapedCredential(t *testing.T) {
 		}
 	}
 }
+
+// An answer is read before its credentials are redacted: a short password
+// that is part of a key or of the provider's message neither hides a
+// refusal nor changes an error's class, and still shows nowhere.
+func TestRedactAfterReading(t *testing.T) {
+	for _, tc := range []struct {
+		name, password string
+		status         int
+		body           string
+		kind           error
+	}{
+		{"refusal, password in the key", "error", 200, `{"error":"Session expired"}`, nil},
+		{"refusal, password in the message", "Attempts", 200, `{"update_list":{"error":"Too Many Attempts"}}`, nil},
+		{"422, password in the message", "funds", 422, `{"error":"Unprocessed entity or not enough funds to order"}`, ErrNotEnoughFunds},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv, _ := serve(t, tc.status, tc.body)
+			c, err := New(apiConfig(func(c *Config) {
+				c.BaseURL, c.Token, c.Login, c.Password, c.Timeout = srv.URL, "", "user@example.com", tc.password, 5*time.Second
+			}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = c.UpdateService(context.Background(), 1, ServiceUpdate{UpdateList: true})
+			var apiErr *APIError
+			if !errors.As(err, &apiErr) {
+				t.Fatalf("%v, want a *APIError", err)
+			}
+			if tc.kind != nil && !errors.Is(err, tc.kind) {
+				t.Errorf("%v, want %v", err, tc.kind)
+			}
+			for _, shown := range []string{err.Error(), apiErr.Message, apiErr.Body} {
+				if strings.Contains(shown, tc.password) {
+					t.Errorf("the password shows in %q", shown)
+				}
+			}
+		})
+	}
+}

@@ -56,9 +56,9 @@ func call[T any](ctx context.Context, c *Client, method, route string, args []st
 func change[T any](ctx context.Context, c *Client, method, route string, args []string, body any, dec func([]byte) (T, error), actions ...string) (T, error) {
 	status, raw, err := c.request(ctx, method, route, args, body)
 	if err == nil {
-		if refused := refusal(status, route, c.scrub(raw), actions...); refused != nil {
+		if refused := refusal(status, route, raw, actions...); refused != nil {
 			refused.Method = method
-			c.scrubMessage(refused)
+			c.redact(refused, raw)
 			err = refused
 		}
 	}
