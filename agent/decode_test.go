@@ -383,7 +383,7 @@ func TestRedactAfterReading(t *testing.T) {
 		kind           error
 	}{
 		{"refusal, password in the key", "error", 200, `{"error":"Session expired"}`, nil},
-		{"refusal, password in the message", "Attempts", 200, `{"update_list":{"error":"Too Many Attempts"}}`, nil},
+		{"refusal, password in the message", "Attempts", 200, `{"update_list":{"error":"Too Many Attempts"}}`, ErrTooManyAttempts},
 		{"422, password in the message", "funds", 422, `{"error":"Unprocessed entity or not enough funds to order"}`, ErrNotEnoughFunds},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
 	"regexp"
 	"strconv"
 	"strings"
@@ -26,7 +27,7 @@ var (
 	ErrIncorrectPostedData      = errors.New("incorrect posted data")                        // 422 "... Incorrect posted data"
 	ErrInvalidIPv4              = errors.New("invalid IPv4 address")                         // 422 "... Invalid IPv4 format"
 	ErrIPAlreadyBound           = errors.New("IP already bound")                             // 422 "... IP already binded"
-	ErrTooManyAttempts          = errors.New("too many attempts")                            // 429 "Too Many Attempts (updateList). Next update possible: ..."
+	ErrTooManyAttempts          = errors.New("too many attempts")                            // any 429 ("Too Many Attempts (updateList). Next update possible: ..."), or that message in a 2xx refusal
 	ErrUnprocessable            = errors.New("unprocessable entity")                         // any 422
 	ErrBodyTooLarge             = errors.New("response body exceeds the configured maximum") // Config.MaxBody
 )
@@ -43,7 +44,7 @@ type APIError struct {
 	Route       string    // route template, e.g. "/api/service/{id}"
 	Message     string    // the provider's message, trimmed ("error" of a JSON body, or a one-line text body); one line for a refusal
 	Body        string    // excerpt of the response body: at most 256 bytes, valid UTF-8, "..." when cut
-	NextAllowed time.Time // 429: when the next IP list update is allowed (UTC); zero if not given
+	NextAllowed time.Time // rate limited: when the next IP list update is allowed (UTC); zero if not given
 
 	kind error // the specific sentinel, nil if none
 }
@@ -85,6 +86,21 @@ func (e *APIError) Is(target error) bool {
 	return e.kind != nil && target == e.kind
 }
 
+// RateLimited reports whether the provider refused the call for coming too
+// soon: a 429, or its "Too Many Attempts" message in a 2xx refusal. The
+// pool counts a rotation that fails so as "rate_limited" through this
+// method, and the poll loops and list updates wait for the time it names
+// (NextAllowed).
+func (e *APIError) RateLimited() bool {
+	return e.Status == http.StatusTooManyRequests || e.kind == ErrTooManyAttempts
+}
+
+// isTooManyAttempts reports whether msg is the provider's rate-limit
+// message ("Too Many Attempts (updateList). Next update possible: ...").
+func isTooManyAttempts(msg string) bool {
+	return strings.Contains(strings.ToLower(strings.Join(strings.Fields(msg), " ")), "too many attempts")
+}
+
 // nextUpdateRe finds the timestamp of the 429 message.
 var nextUpdateRe = regexp.MustCompile(`(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2})`)
 
@@ -123,7 +139,13 @@ func refusal(status int, route string, body []byte, actions ...string) *APIError
 	if msg == "" {
 		return nil
 	}
-	return newAPIError(status, route, body, msg)
+	e := newAPIError(status, route, body, msg)
+	if e.kind == nil && isTooManyAttempts(msg) {
+		// The provider's rate limit said with a 2xx is still its rate
+		// limit, with the time it names.
+		e.kind, e.NextAllowed = ErrTooManyAttempts, nextAllowed(msg)
+	}
+	return e
 }
 
 // refusedIn is the one-line "error" message of obj when obj is a refusal
@@ -146,13 +168,20 @@ func newAPIError(status int, route string, body []byte, msg string) *APIError {
 	e := &APIError{Status: status, Route: route, Body: excerpt(body, maxExcerpt), Message: msg}
 	e.kind = classify(status, e.Message)
 	if status == 429 {
-		if m := nextUpdateRe.FindStringSubmatch(e.Message); m != nil {
-			if t, err := time.ParseInLocation("2006-01-02 15:04:05", m[1]+" "+m[2], time.UTC); err == nil {
-				e.NextAllowed = t
-			}
-		}
+		e.NextAllowed = nextAllowed(e.Message)
 	}
 	return e
+}
+
+// nextAllowed is the time a rate-limit message names as the next allowed
+// update (UTC); zero if it names none.
+func nextAllowed(msg string) time.Time {
+	if m := nextUpdateRe.FindStringSubmatch(msg); m != nil {
+		if t, err := time.ParseInLocation("2006-01-02 15:04:05", m[1]+" "+m[2], time.UTC); err == nil {
+			return t
+		}
+	}
+	return time.Time{}
 }
 
 // errorMessage extracts the provider's message: the "error" (or "message")

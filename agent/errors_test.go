@@ -97,6 +97,36 @@ func TestTooManyAttemptsNextAllowed(t *testing.T) {
 	}
 }
 
+// The rate limit is a 429 whatever its body, or the provider's message in
+// a 2xx refusal; the same message with another error status is that
+// status's error.
+func TestRateLimited(t *testing.T) {
+	named := time.Date(2026, 11, 21, 11, 40, 5, 0, time.UTC)
+	for _, tc := range []struct {
+		name string
+		e    *APIError
+		want bool
+		next time.Time
+	}{
+		{"429", decodeError(429, RouteService, []byte(`{"error":"Too Many Attempts (updateList). Next update possible: 2026-11-21 11:40:05"}`)), true, named},
+		{"429 other body", decodeError(429, RouteStickyRotate, []byte(`slow down`)), true, time.Time{}},
+		{"200 refusal of the action", refusal(200, RouteService, []byte(`{"update_list":{"error":"Too Many Attempts (updateList). Next update possible: 2026-11-21 11:40:05"}}`), "update_list"), true, named},
+		{"200 refusal at the top", refusal(200, RouteStickyRotate, []byte(`{"error":"too many  attempts"}`)), true, time.Time{}},
+		{"200 refusal for another reason", refusal(200, RouteStickyRotate, []byte(`{"error":"Session expired"}`)), false, time.Time{}},
+		{"503 with the message", decodeError(503, RouteService, []byte(`{"error":"Too Many Attempts"}`)), false, time.Time{}},
+	} {
+		if tc.e == nil {
+			t.Fatalf("%s: no error", tc.name)
+		}
+		if got := tc.e.RateLimited(); got != tc.want || errors.Is(tc.e, ErrTooManyAttempts) != tc.want {
+			t.Errorf("%s: RateLimited %v, Is(ErrTooManyAttempts) %v; want %v", tc.name, got, errors.Is(tc.e, ErrTooManyAttempts), tc.want)
+		}
+		if !tc.e.NextAllowed.Equal(tc.next) {
+			t.Errorf("%s: NextAllowed %v, want %v", tc.name, tc.e.NextAllowed, tc.next)
+		}
+	}
+}
+
 func TestUnknownStatusAndNonJSONBodies(t *testing.T) {
 	html := "<html><head><title>502 Bad Gateway</title></head><body>" + strings.Repeat("nginx ", 200) + "</body></html>"
 	for _, tc := range []struct {

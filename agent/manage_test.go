@@ -198,26 +198,34 @@ func TestManageHonoursRateLimit(t *testing.T) {
 
 // The wait a 429 imposes is at least 1s and at most 1h, whatever time it
 // names, read as UTC; a time beyond the hour is logged as the poll loops
-// log it.
+// log it. The same message in a 200 answer (the action's own "error") is
+// the same rate limit.
 func TestManageRateLimitBounds(t *testing.T) {
 	now := time.Date(2026, 11, 21, 10, 0, 0, 0, time.UTC)
 	for _, tc := range []struct {
-		name string
-		next string // the 429's time; "" for none
-		want time.Time
+		name  string
+		next  string // the 429's time; "" for none
+		want  time.Time
+		in200 bool // said as {"update_list": {"error": ...}} in a 200 answer
 	}{
-		{"named time", "2026-11-21 10:30:00", now.Add(30 * time.Minute)},
-		{"in the past", "2026-11-21 09:00:00", now.Add(time.Second)},
-		{"none", "", now.Add(time.Second)},
-		{"far away", "2026-11-22 10:00:00", now.Add(time.Hour)},
+		{"named time", "2026-11-21 10:30:00", now.Add(30 * time.Minute), false},
+		{"in the past", "2026-11-21 09:00:00", now.Add(time.Second), false},
+		{"none", "", now.Add(time.Second), false},
+		{"far away", "2026-11-22 10:00:00", now.Add(time.Hour), false},
+		{"named time in a 200", "2026-11-21 10:30:00", now.Add(30 * time.Minute), true},
+		{"none in a 200", "", now.Add(time.Second), true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				w.WriteHeader(http.StatusTooManyRequests)
 				msg := "Too Many Attempts (updateList)."
 				if tc.next != "" {
 					msg += " Next update possible: " + tc.next
 				}
+				if tc.in200 {
+					fmt.Fprintf(w, `{"update_list":{"error":%q}}`, msg)
+					return
+				}
+				w.WriteHeader(http.StatusTooManyRequests)
 				fmt.Fprintf(w, `{"error":%q}`, msg)
 			}))
 			defer srv.Close()

@@ -677,13 +677,14 @@ func (p *Poller) nextWait(interval time.Duration, failures int, limit rateLimit)
 // rateLimit is what a 429 asks of the poller (Poller.rateLimited); the
 // zero value is an error that is no 429, or none.
 type rateLimit struct {
-	ok     bool      // the error is a 429
+	ok     bool      // the error is a rate limit (ErrTooManyAttempts)
 	until  time.Time // not to be tried before then
-	named  time.Time // the time the 429 named, zero if none
+	named  time.Time // the time the rate limit named, zero if none
 	capped bool      // named was beyond maxRateLimitWait, so until is earlier
 }
 
-// rateLimited reports whether err is a 429, and until when it asks to
+// rateLimited reports whether err is a rate limit (a 429, or the
+// provider's message in a 2xx refusal), and until when it asks to
 // wait: the time it names, at least minRateLimitWait and at most
 // maxRateLimitWait from now. A Retry-After may name up to 2^31 s, and a
 // loop or list update parked that long would never try again; after the
@@ -691,9 +692,8 @@ type rateLimit struct {
 // again. The one rule for the poll loops and list updates; computed once
 // per failure and passed on.
 func (p *Poller) rateLimited(err error) rateLimit {
-	var apiErr *APIError
-	isAPI := errors.As(err, &apiErr)
-	if !errors.Is(err, ErrTooManyAttempts) && !(isAPI && apiErr.Status == 429) {
+	apiErr, isAPI := errors.AsType[*APIError](err)
+	if !(isAPI && apiErr.RateLimited()) && !errors.Is(err, ErrTooManyAttempts) {
 		return rateLimit{}
 	}
 	now := p.now()

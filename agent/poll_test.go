@@ -362,11 +362,45 @@ func TestPollerRotateRefusedIn200(t *testing.T) {
 	if ip != "" || !errors.As(err, &apiErr) || apiErr.Message != "Session expired" {
 		t.Fatalf("refused rotate = %q, %v; want the provider's refusal", ip, err)
 	}
+	if rotateRateLimited(err) {
+		t.Errorf("a refusal for another reason reads as a rate limit: %v", err)
+	}
 	for _, ss := range serviceByID(p.Snapshot(), 102).Sticky {
 		if ss.Session == sess.Session && ss.ExitIP != sess.ExitIP {
 			t.Errorf("snapshot has exit IP %q after a refused rotate, want %q", ss.ExitIP, sess.ExitIP)
 		}
 	}
+}
+
+// A rotation the provider refuses for coming too soon, with a 429 or with
+// its rate-limit message in a 200, reads as rate limited to the pool, which
+// counts it as "rate_limited" rather than "error" (a pool.Rotator's error
+// says so with a RateLimited() bool method or pool.ErrRotateRateLimited).
+func TestPollerRotateRateLimited(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{102} }))
+	pollAll(t, p)
+	sess := sim.Sessions(102)[0]
+	for _, answer := range []struct {
+		status int
+		body   string
+	}{
+		{http.StatusTooManyRequests, `{"error":"Too Many Attempts"}`},
+		{http.StatusTooManyRequests, `Too Many Requests`},
+		{http.StatusOK, `{"error":"Too many attempts, try again later"}`},
+	} {
+		sim.RotateHook(func(int, string, string) (int, string) { return answer.status, answer.body })
+		ip, err := p.Rotate(context.Background(), 102, sess.Server, sess.Session)
+		if ip != "" || !rotateRateLimited(err) {
+			t.Errorf("rotate answered %d %s = %q, %v; want a rate-limited error", answer.status, answer.body, ip, err)
+		}
+	}
+}
+
+// rotateRateLimited is how the pool tells a rate-limited rotation
+// (pool.Rotator's contract).
+func rotateRateLimited(err error) bool {
+	var rl interface{ RateLimited() bool }
+	return errors.As(err, &rl) && rl.RateLimited()
 }
 
 // After a restart the daemon seeds the sizes it serves from its state: an
