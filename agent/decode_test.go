@@ -410,3 +410,17 @@ func TestRedactAfterReading(t *testing.T) {
 		})
 	}
 }
+
+// A service update refused for one action returns, with the refusal, what
+// the answer says of every action: another may have been made.
+func TestUpdateServicePartlyRefused(t *testing.T) {
+	srv, _ := serve(t, 200, `{"setip":{"success":"IP address updated successfully"},"password":{"error":"Password too weak"}}`)
+	res, err := newTestClient(t, srv.URL).UpdateService(context.Background(), 1, ServiceUpdate{SetIP: "192.0.2.7", Password: "weak"})
+	var apiErr *APIError
+	if !errors.As(err, &apiErr) || apiErr.Message != "password: Password too weak" {
+		t.Fatalf("err = %v, want the password's refusal", err)
+	}
+	if res["setip"] != "IP address updated successfully" || res["password"] != "Password too weak" {
+		t.Errorf("result %v, want both actions' messages", res)
+	}
+}

@@ -52,19 +52,20 @@ func call[T any](ctx context.Context, c *Client, method, route string, args []st
 // update, the sticky calls 18–20, which use GET). A 2xx answer
 // whose body is the provider's error object fails as the *APIError of
 // refusal, with the provider's message; actions are the keys of an
-// answer given per action, whose own error objects count too.
+// answer given per action, whose own error objects count too. A refused
+// answer is decoded as well, as far as it can be, and returned with the
+// error: one action refused does not say that the others were not made.
 func change[T any](ctx context.Context, c *Client, method, route string, args []string, body any, dec func([]byte) (T, error), actions ...string) (T, error) {
 	status, raw, err := c.request(ctx, method, route, args, body)
-	if err == nil {
-		if refused := refusal(status, route, raw, actions...); refused != nil {
-			refused.Method = method
-			c.redact(refused, raw)
-			err = refused
-		}
-	}
 	if err != nil {
 		var zero T
 		return zero, err
+	}
+	if refused := refusal(status, route, raw, actions...); refused != nil {
+		refused.Method = method
+		c.redact(refused, raw)
+		v, _ := dec(raw)
+		return v, refused
 	}
 	return decode(c, route, raw, dec)
 }
@@ -233,7 +234,8 @@ func (c *Client) Services(ctx context.Context) ([]ServiceItem, error) {
 // password of a service (endpoint 15). A repeated list update before the
 // allowed time fails with ErrTooManyAttempts; the *APIError carries
 // NextAllowed. A 200 answer with an {"error": "..."}, at the top or under
-// an action, fails too (refusal).
+// an action, fails too (refusal), and still returns what the answer says
+// of each action: the others may have been made.
 func (c *Client) UpdateService(ctx context.Context, id int, u ServiceUpdate) (ServiceUpdateResult, error) {
 	return change(ctx, c, http.MethodPut, RouteService, []string{itoa(id)}, u, decodeUpdateResult, "setip", "update_list", "password")
 }

@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -186,5 +187,22 @@ func TestAPIErrors(t *testing.T) {
 	})
 	if code != 1 || !strings.Contains(errb.String(), "PROXYD_API_TOKEN") {
 		t.Errorf("no token: exit %d %q", code, errb.String())
+	}
+}
+
+// A service update the provider refuses in part (one action's own error
+// in a 200) fails, and still shows what became of every action: the IP
+// was bound though the password was refused.
+func TestAPIServiceUpdatePartlyRefused(t *testing.T) {
+	sim, url := startSim(t)
+	sim.FailNext(1, 200, `{"setip":{"success":"IP address updated successfully"},"password":{"error":"Password too weak"}}`)
+	out, errOut, code := runAPI(t, url, "weak\n", "service-update", "101", "-setip", "192.0.2.77", "-password", "-")
+	if code != 1 || !strings.Contains(errOut, "password: Password too weak") {
+		t.Errorf("exit %d, stderr %q; want 1 and the refusal", code, errOut)
+	}
+	for _, row := range []string{`setip\s+IP address updated successfully`, `password\s+Password too weak`} {
+		if !regexp.MustCompile(`(?m)^` + row + `$`).MatchString(out) {
+			t.Errorf("stdout lacks a row %q:\n%s", row, out)
+		}
 	}
 }
