@@ -1,6 +1,7 @@
 package forward
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -436,5 +437,144 @@ func TestClassifyDialUnderBudget(t *testing.T) {
 		if got := classifyDial(ctx, tc.err, budget.Add(-tc.had), bound).h.what; got != tc.want {
 			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
 		}
+	}
+}
+
+// A client that hangs up while its tunnel is being opened ends the
+// attempts: the upstream that has not answered yet is let go at once, not
+// at handshake_timeout, and is not blamed, and the connection counts as
+// the client's. The same holds for a client that hangs up at once, before
+// the watch starts.
+func TestClientLeavesWhileTunnelOpens(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	host, port, _ := splitHostPort(origin, 0)
+	for _, tc := range []struct {
+		proto string
+		wait  bool // hang up once the upstream has the connection
+	}{{"http", true}, {"socks5", true}, {"http", false}, {"socks5", false}} {
+		t.Run(fmt.Sprintf("%s wait %v", tc.proto, tc.wait), func(t *testing.T) {
+			hang := newHTTPUpstream(t, "", "", nil)
+			hang.mode.Store(int32(modeHang))
+			p := newFakePool(hang.upstream(1))
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.Protocol = tc.proto
+				c.AllowDestinations = loopbackAllowed
+				c.HandshakeTimeout = 30 * time.Second
+				c.RetryTimeout = 30 * time.Second
+			}), p)
+			c, err := net.Dial("tcp", tl.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.proto == "http" {
+				fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", origin, origin)
+			} else {
+				// The greeting (no authentication) and the CONNECT request,
+				// in one write: proxyd's server keeps what comes early.
+				req := append([]byte{5, 1, 0, 5, 1, 0, 1}, net.ParseIP(host).To4()...)
+				req = append(req, byte(port>>8), byte(port))
+				if _, err := c.Write(req); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if tc.wait {
+				waitFor(t, 5*time.Second, func() bool { return hang.accepted.Load() == 1 }, "the upstream's connection")
+			}
+			_ = c.Close()
+			start := time.Now()
+			waitFor(t, 5*time.Second, func() bool { return len(p.Picks()) == 1 }, "the attempt")
+			p.waitBalanced(t)
+			if took := time.Since(start); took > 3*time.Second {
+				t.Errorf("the attempt ended %s after the client left", took)
+			}
+			if r := p.Reports(); len(r) != 1 || r[0].res != pool.Canceled {
+				t.Errorf("reports %+v, want one %s", r, pool.Canceled)
+			}
+			waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+			if o := tl.obs.Closeds()[0].o; o != OutcomeClientError {
+				t.Errorf("outcome %s, want %s", o, OutcomeClientError)
+			}
+		})
+	}
+}
+
+// A client that sends its first bytes before its tunnel is answered (a TLS
+// handshake started early) is not taken for one that left, whether the
+// watch has started by then or not: the tunnel opens and the bytes arrive.
+func TestEarlyBytesWhileTunnelOpens(t *testing.T) {
+	checkLeaks(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	host, port, _ := splitHostPort(echo, 0)
+	// An upstream that answers CONNECT only after 5 × watchAfter, so that
+	// the watch runs while the client's bytes come.
+	slow := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		defer c.Close()
+		br := bufio.NewReader(c)
+		req, err := http.ReadRequest(br)
+		if err != nil {
+			return
+		}
+		dst, err := net.Dial("tcp", req.RequestURI)
+		if err != nil {
+			return
+		}
+		defer dst.Close()
+		time.Sleep(5 * watchAfter)
+		if _, err := io.WriteString(c, "HTTP/1.1 200 OK\r\n\r\n"); err != nil {
+			return
+		}
+		go func() {
+			_, _ = io.Copy(dst, br)
+			_ = dst.(*net.TCPConn).CloseWrite()
+		}()
+		_, _ = io.Copy(c, dst)
+	})
+	for _, proto := range []string{"http", "socks5"} {
+		t.Run(proto, func(t *testing.T) {
+			p := newFakePool(&pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: slow})
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.Protocol = proto
+				c.AllowDestinations = loopbackAllowed
+			}), p)
+			c, err := net.Dial("tcp", tl.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+			br := bufio.NewReader(c)
+			if proto == "http" {
+				fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", echo, echo)
+			} else {
+				req := append([]byte{5, 1, 0, 5, 1, 0, 1}, net.ParseIP(host).To4()...)
+				if _, err := c.Write(append(req, byte(port>>8), byte(port))); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := io.WriteString(c, "early"); err != nil {
+				t.Fatal(err)
+			}
+			if proto == "http" {
+				resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
+				if err != nil || resp.StatusCode != http.StatusOK {
+					t.Fatalf("CONNECT answer %v, %v", resp, err)
+				}
+			} else {
+				var head [12]byte // method choice, then a reply with an IPv4 address
+				if _, err := io.ReadFull(br, head[:]); err != nil || head[1] != 0 || head[3] != socks5.ReplySucceeded {
+					t.Fatalf("SOCKS5 answers %v, %v", head, err)
+				}
+			}
+			got := make([]byte, len("early"))
+			if _, err := io.ReadFull(br, got); err != nil || string(got) != "early" {
+				t.Fatalf("echoed %q, %v; want the early bytes", got, err)
+			}
+			_ = c.Close()
+			p.waitBalanced(t)
+			if r := p.Reports(); len(r) != 1 || r[0].res != pool.Success {
+				t.Errorf("reports %+v, want one success", r)
+			}
+		})
 	}
 }

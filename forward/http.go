@@ -106,7 +106,9 @@ func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Reques
 		return
 	}
 	pending := bufferedCopy(br)
-	upc, up, retries, fail := l.openTunnel(l.ctx, key, socks5.Addr{Host: host, Port: port})
+	w := l.watchOpening(cc)
+	upc, up, retries, fail := l.openTunnel(w.ctx, key, socks5.Addr{Host: host, Port: port})
+	w.stop()
 	cc.retries.Add(int32(retries))
 	// Only the answer's write needs a deadline: nothing is read from the
 	// client before the relay.

@@ -21,3 +21,28 @@ func peerSilent(rc syscall.RawConn) bool {
 	})
 	return err == nil && silent
 }
+
+// canAwaitPeer: peerGone can wait here.
+const canAwaitPeer = true
+
+// peerGone waits until a connection has something to read and reports
+// whether that is its end (end of stream, reset) rather than bytes, which
+// stay queued. A read deadline or a close ends the wait (false).
+func peerGone(rc syscall.RawConn) bool {
+	gone := false
+	err := rc.Read(func(fd uintptr) bool {
+		var b [1]byte
+		for {
+			n, _, rerr := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+			switch rerr {
+			case syscall.EINTR:
+				continue
+			case syscall.EAGAIN:
+				return false
+			}
+			gone = rerr != nil || n == 0
+			return true
+		}
+	})
+	return err == nil && gone
+}

@@ -59,10 +59,13 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 		return
 	}
 	// The request is read: the client now waits as long as the attempts
-	// may take (they have their own bounds), then has HeaderTimeout to take
-	// the reply. Nothing is read from it until the relay.
+	// may take (they have their own bounds; a client that hangs up ends
+	// them), then has HeaderTimeout to take the reply. Nothing is read from
+	// it until the relay.
 	_ = cc.SetReadDeadline(time.Time{})
-	upc, up, retries, fail := l.openTunnel(l.ctx, key, req.Dest)
+	w := l.watchOpening(cc)
+	upc, up, retries, fail := l.openTunnel(w.ctx, key, req.Dest)
+	w.stop()
 	cc.retries.Add(int32(retries))
 	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if fail != nil {

@@ -1,0 +1,83 @@
+package forward
+
+import (
+	"context"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// openWatch ends a tunnel's attempts when its client hangs up while they
+// run. A CONNECT or SOCKS5 client sends nothing while it waits for its
+// answer, which may take retry_timeout and a handshake; one that gives up
+// meanwhile should not leave proxyd dialing and handshaking for nobody (an
+// upstream connection opened for no one still costs the upstream, and a
+// rotating service may bill it). As with a plain request (clientWatch),
+// nothing is watched for the first watchAfter, which most set-ups take
+// less than; then a goroutine waits until the client's socket is readable,
+// without reading from it. An end of stream or a reset ends the attempts,
+// which are then nobody's failure, and the connection is the client's
+// (client_error). Bytes end the watch and stay queued for the relay: a
+// client that starts its TLS handshake before the answer is still there.
+type openWatch struct {
+	ctx    context.Context // what the attempts run under
+	cancel context.CancelCauseFunc
+	l      *Listener
+	cc     *clientConn
+	rc     syscall.RawConn // the client's socket
+	timer  *time.Timer
+
+	mu   sync.Mutex
+	over bool          // stop was called
+	done chan struct{} // closed when a started watch's wait ended
+}
+
+// watchOpening starts the watch of a client whose tunnel is being opened;
+// its ctx ends with the listener's or when the client hangs up. The caller
+// must call stop before it answers the client.
+func (l *Listener) watchOpening(cc *clientConn) *openWatch {
+	w := &openWatch{l: l, cc: cc}
+	w.ctx, w.cancel = context.WithCancelCause(l.ctx)
+	if sc, ok := cc.Conn.(syscall.Conn); ok && canAwaitPeer {
+		if rc, err := sc.SyscallConn(); err == nil {
+			w.rc = rc
+			w.timer = time.AfterFunc(watchAfter, w.start)
+		}
+	}
+	return w
+}
+
+func (w *openWatch) start() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.over {
+		return
+	}
+	done := make(chan struct{})
+	if w.l.spawn(func() {
+		defer close(done)
+		if peerGone(w.rc) {
+			w.cancel(errClientLeft)
+		}
+	}) {
+		w.done = done
+	}
+}
+
+// stop ends the watch once the attempts are over: a watch still waiting is
+// woken by a read deadline in the past, which is cleared after it.
+func (w *openWatch) stop() {
+	if w.timer != nil {
+		w.timer.Stop()
+	}
+	w.mu.Lock()
+	w.over = true
+	done := w.done
+	w.mu.Unlock()
+	if done != nil {
+		_ = w.cc.SetReadDeadline(time.Unix(1, 0))
+		<-done
+		_ = w.cc.SetReadDeadline(time.Time{})
+	}
+	w.cancel(nil)
+}
