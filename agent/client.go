@@ -493,13 +493,14 @@ func (c *Client) scrub(b []byte) []byte {
 // redact takes the credentials out of what e shows of raw, the body it
 // was read from. The body is read before (a credential's redaction must
 // not change what it says: a short password may be part of a key or of
-// the provider's message); then the message is scrubbed as decoded (JSON
-// escapes, such as PHP's "\/" for "/", hid it in the raw body) and the
-// excerpt is cut again from the scrubbed body (cut first, it could keep
-// part of a credential).
+// the provider's message); then the whole message is scrubbed as decoded
+// (JSON escapes, such as PHP's "\/" for "/", hid it in the raw body) and
+// the whole body as sent, and only then are both cut (cut first, they
+// could keep part of a credential that the cut split).
 func (c *Client) redact(e *APIError, raw []byte) {
-	e.Message = string(c.scrub([]byte(e.Message)))
+	e.Message = excerpt(c.scrub([]byte(e.full)), maxExcerpt)
 	e.Body = excerpt(c.scrub(raw), maxExcerpt)
+	e.full = ""
 }
 
 func (c *Client) scrubErr(err error) error {
@@ -564,7 +565,7 @@ func fillRoute(route string, args []string) (string, error) {
 func (c *Client) decodeError(route string, body []byte, err error) error {
 	if t := bytes.TrimSpace(body); len(t) > 0 && t[0] == '{' {
 		if msg := errorMessage(t); msg != "" {
-			err = fmt.Errorf("%w (provider says %q)", err, msg)
+			err = fmt.Errorf("%w (provider says %q)", err, excerpt(c.scrub([]byte(msg)), maxExcerpt))
 		}
 	}
 	return &DecodeError{Route: route, Err: c.scrubErr(err)}

@@ -424,3 +424,28 @@ func TestUpdateServicePartlyRefused(t *testing.T) {
 		t.Errorf("result %v, want both actions' messages", res)
 	}
 }
+
+// A message longer than the excerpt is cut only after its credentials are
+// redacted: one the cut would split leaves no part of itself behind.
+func TestRedactBeforeCut(t *testing.T) {
+	const token = "tok9XvB7rLm2Kp4Ws8Yt1Qa"
+	for _, status := range []int{422, 200} {
+		for _, at := range []int{240, 250, 255} {
+			srv, _ := serve(t, status, `{"error":"`+strings.Repeat("x", at)+token+` and more"}`)
+			c, err := New(apiConfig(func(c *Config) { c.BaseURL, c.Token, c.Timeout = srv.URL, token, 5*time.Second }))
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = c.StickyResetAll(context.Background(), 1)
+			var apiErr *APIError
+			if !errors.As(err, &apiErr) {
+				t.Fatalf("status %d: %v, want a *APIError", status, err)
+			}
+			for _, shown := range []string{err.Error(), apiErr.Message, apiErr.Body} {
+				if strings.Contains(shown, token[:4]) {
+					t.Errorf("status %d, token at %d: part of it shows in %q", status, at, shown)
+				}
+			}
+		}
+	}
+}

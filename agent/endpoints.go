@@ -64,7 +64,9 @@ func change[T any](ctx context.Context, c *Client, method, route string, args []
 	if refused := refusal(status, route, raw, actions...); refused != nil {
 		refused.Method = method
 		c.redact(refused, raw)
-		v, _ := dec(raw)
+		// What the rest of the answer says, without the credentials: a
+		// key they would be part of is lost, a refusal never is.
+		v, _ := dec(c.scrub(raw))
 		return v, refused
 	}
 	return decode(c, route, raw, dec)

@@ -44,9 +44,10 @@ type APIError struct {
 	Route       string    // route template, e.g. "/api/service/{id}"
 	Message     string    // the provider's message, trimmed ("error" of a JSON body, or a one-line text body); one line for a refusal
 	Body        string    // excerpt of the response body: at most 256 bytes, valid UTF-8, "..." when cut
-	NextAllowed time.Time // rate limited: when the next IP list update is allowed (UTC); zero if not given
+	NextAllowed time.Time // rate limited: when the next call is allowed (UTC), as the message or Retry-After names it; zero if not given
 
-	kind error // the specific sentinel, nil if none
+	kind error  // the specific sentinel, nil if none
+	full string // Message before its cut, until the client redacts it
 }
 
 // Error describes the answer without the request's credentials.
@@ -96,9 +97,12 @@ func (e *APIError) RateLimited() bool {
 }
 
 // isTooManyAttempts reports whether msg is the provider's rate-limit
-// message ("Too Many Attempts (updateList). Next update possible: ...").
+// message, "Too Many Attempts (updateList). Next update possible: ...":
+// it starts so (case and spacing aside). "Too many attempts to log in"
+// would match too, but the provider documents no such message; one that
+// merely mentions attempts ("Login failed: too many attempts") does not.
 func isTooManyAttempts(msg string) bool {
-	return strings.Contains(strings.ToLower(strings.Join(strings.Fields(msg), " ")), "too many attempts")
+	return strings.HasPrefix(strings.ToLower(strings.Join(strings.Fields(msg), " ")), "too many attempts")
 }
 
 // nextUpdateRe finds the timestamp of the 429 message.
@@ -128,11 +132,12 @@ func refusal(status int, route string, body []byte, actions ...string) *APIError
 		return nil
 	}
 	msg := refusedIn(obj)
+	bare := msg // without the action's name
 	for i := 0; msg == "" && i < len(actions); i++ {
 		raw, _ := lookupFold(obj, actions[i])
 		if inner, ok := jsonObject(raw); ok {
-			if m := refusedIn(inner); m != "" {
-				msg = excerpt([]byte(actions[i]+": "+m), maxExcerpt)
+			if bare = refusedIn(inner); bare != "" {
+				msg = actions[i] + ": " + bare
 			}
 		}
 	}
@@ -140,7 +145,7 @@ func refusal(status int, route string, body []byte, actions ...string) *APIError
 		return nil
 	}
 	e := newAPIError(status, route, body, msg)
-	if e.kind == nil && isTooManyAttempts(msg) {
+	if e.kind == nil && isTooManyAttempts(bare) {
 		// The provider's rate limit said with a 2xx is still its rate
 		// limit, with the time it names.
 		e.kind, e.NextAllowed = ErrTooManyAttempts, nextAllowed(msg)
@@ -165,10 +170,10 @@ func refusedIn(obj map[string]json.RawMessage) string {
 // newAPIError builds the APIError of an answer with status and body, and
 // the provider's message msg found in it.
 func newAPIError(status int, route string, body []byte, msg string) *APIError {
-	e := &APIError{Status: status, Route: route, Body: excerpt(body, maxExcerpt), Message: msg}
-	e.kind = classify(status, e.Message)
+	e := &APIError{Status: status, Route: route, Body: excerpt(body, maxExcerpt), Message: excerpt([]byte(msg), maxExcerpt), full: msg}
+	e.kind = classify(status, msg)
 	if status == 429 {
-		e.NextAllowed = nextAllowed(e.Message)
+		e.NextAllowed = nextAllowed(msg)
 	}
 	return e
 }
@@ -201,7 +206,7 @@ func errorMessage(body []byte) string {
 	if trimmed[0] == '"' { // a bare JSON string
 		var s string
 		if json.Unmarshal(trimmed, &s) == nil {
-			return excerpt([]byte(strings.TrimSpace(s)), maxExcerpt)
+			return strings.TrimSpace(s)
 		}
 	}
 	return string(trimmed)
@@ -217,8 +222,8 @@ func jsonObject(body []byte) (obj map[string]json.RawMessage, ok bool) {
 }
 
 // stringField returns the first non-blank string value of obj under one
-// of keys (matched as lookupFold does), trimmed and cut to maxExcerpt; ""
-// if none.
+// of keys (matched as lookupFold does), trimmed; "" if none. It is not cut:
+// an APIError cuts its message once it is redacted (newAPIError, redact).
 func stringField(obj map[string]json.RawMessage, keys ...string) string {
 	for _, key := range keys {
 		raw, ok := lookupFold(obj, key)
@@ -227,7 +232,7 @@ func stringField(obj map[string]json.RawMessage, keys ...string) string {
 		}
 		var s string
 		if json.Unmarshal(raw, &s) == nil && strings.TrimSpace(s) != "" {
-			return excerpt([]byte(strings.TrimSpace(s)), maxExcerpt)
+			return strings.TrimSpace(s)
 		}
 	}
 	return ""
@@ -235,8 +240,7 @@ func stringField(obj map[string]json.RawMessage, keys ...string) string {
 
 // oneLine makes the message of a refusal fit one line of a log or an
 // error: each run of characters that are not printable (line breaks,
-// tabs, escapes) becomes one space, the ends are trimmed, and it is cut
-// to maxExcerpt. The messages of non-2xx answers keep their line breaks,
+// tabs, escapes) becomes one space, and the ends are trimmed. The messages of non-2xx answers keep their line breaks,
 // which callers may render their own way (proxyd api joins them with
 // "; ").
 func oneLine(s string) string {
@@ -253,7 +257,7 @@ func oneLine(s string) string {
 		}
 		b.WriteRune(r)
 	}
-	return excerpt([]byte(strings.TrimSpace(b.String())), maxExcerpt)
+	return strings.TrimSpace(b.String())
 }
 
 // classify maps status and message to the specific sentinel. Messages are

@@ -114,6 +114,7 @@ func TestRateLimited(t *testing.T) {
 		{"200 refusal at the top", refusal(200, RouteStickyRotate, []byte(`{"error":"too many  attempts"}`)), true, time.Time{}},
 		{"200 refusal for another reason", refusal(200, RouteStickyRotate, []byte(`{"error":"Session expired"}`)), false, time.Time{}},
 		{"503 with the message", decodeError(503, RouteService, []byte(`{"error":"Too Many Attempts"}`)), false, time.Time{}},
+		{"200 refusal that mentions attempts", refusal(200, RouteStickyRotate, []byte(`{"error":"Login failed: too many attempts"}`)), false, time.Time{}},
 	} {
 		if tc.e == nil {
 			t.Fatalf("%s: no error", tc.name)

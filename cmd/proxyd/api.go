@@ -321,16 +321,16 @@ func (c *apiCommand) run(args []string) error {
 			return c.raw(http.MethodPut, agent.RouteService, p, upd) // the body UpdateService sends
 		}
 		res, err := c.client.UpdateService(c.ctx, id, upd)
-		if len(res) == 0 {
-			return err
-		}
-		// One action refused: the table still says what became of each.
 		t := table{head: []string{"ACTION", "RESULT"}}
 		for _, k := range []string{"setip", "update_list", "password"} {
 			if v, ok := res[k]; ok {
 				t.add(k, v)
 			}
 		}
+		if err != nil && len(t.rows) == 0 {
+			return err
+		}
+		// One action refused: the table still says what became of each.
 		if werr := t.write(c.io.out); werr != nil {
 			return werr
 		}
