@@ -416,8 +416,14 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			return nil, a, retries
 		}
 	}
-	if attempts == 0 && errors.Is(context.Cause(ctx), errAttemptTimeout) {
+	switch {
+	case attempts == 0 && errors.Is(context.Cause(ctx), errAttemptTimeout):
 		a = answerFor(happened{what: wNoAnswer}, pool.HandshakeTimeout) // the pick waited out the budget
+	case ctx.Err() != nil && !upstreamTimeout(ctx):
+		// The client left or the listener closed while a pick waited (a
+		// sticky session's rotation) or between attempts: whatever the
+		// last attempt said, that ended it.
+		a = answerFor(happened{what: wClientGone}, pool.Canceled)
 	}
 	return nil, a, retries
 }

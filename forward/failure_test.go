@@ -452,8 +452,10 @@ func TestClientLeavesWhileTunnelOpens(t *testing.T) {
 	for _, tc := range []struct {
 		proto string
 		wait  bool // hang up once the upstream has the connection
-	}{{"http", true}, {"socks5", true}, {"http", false}, {"socks5", false}} {
-		t.Run(fmt.Sprintf("%s wait %v", tc.proto, tc.wait), func(t *testing.T) {
+		reset bool // with a reset instead of an end of stream
+	}{{"http", true, false}, {"socks5", true, false}, {"http", false, false}, {"socks5", false, false},
+		{"http", true, true}, {"socks5", true, true}} {
+		t.Run(fmt.Sprintf("%s wait %v reset %v", tc.proto, tc.wait, tc.reset), func(t *testing.T) {
 			hang := newHTTPUpstream(t, "", "", nil)
 			hang.mode.Store(int32(modeHang))
 			p := newFakePool(hang.upstream(1))
@@ -481,6 +483,9 @@ func TestClientLeavesWhileTunnelOpens(t *testing.T) {
 			if tc.wait {
 				waitFor(t, 5*time.Second, func() bool { return hang.accepted.Load() == 1 }, "the upstream's connection")
 			}
+			if tc.reset {
+				_ = c.(*net.TCPConn).SetLinger(0)
+			}
 			_ = c.Close()
 			start := time.Now()
 			waitFor(t, 5*time.Second, func() bool { return len(p.Picks()) == 1 }, "the attempt")
@@ -500,38 +505,49 @@ func TestClientLeavesWhileTunnelOpens(t *testing.T) {
 }
 
 // A client that sends its first bytes before its tunnel is answered (a TLS
-// handshake started early) is not taken for one that left, whether the
-// watch has started by then or not: the tunnel opens and the bytes arrive.
+// handshake started early) is not taken for one that left: not when the
+// bytes come with its request (and it half-closes after them: they are all
+// it has to send), nor when they come while the watch waits. The tunnel
+// opens and the bytes arrive.
 func TestEarlyBytesWhileTunnelOpens(t *testing.T) {
 	checkLeaks(t)
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	host, port, _ := splitHostPort(echo, 0)
-	// An upstream that answers CONNECT only after 5 × watchAfter, so that
-	// the watch runs while the client's bytes come.
-	slow := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
-		defer c.Close()
-		br := bufio.NewReader(c)
-		req, err := http.ReadRequest(br)
-		if err != nil {
-			return
-		}
-		dst, err := net.Dial("tcp", req.RequestURI)
-		if err != nil {
-			return
-		}
-		defer dst.Close()
-		time.Sleep(5 * watchAfter)
-		if _, err := io.WriteString(c, "HTTP/1.1 200 OK\r\n\r\n"); err != nil {
-			return
-		}
-		go func() {
-			_, _ = io.Copy(dst, br)
-			_ = dst.(*net.TCPConn).CloseWrite()
-		}()
-		_, _ = io.Copy(c, dst)
-	})
-	for _, proto := range []string{"http", "socks5"} {
-		t.Run(proto, func(t *testing.T) {
+	for _, tc := range []struct {
+		proto string
+		later bool // the bytes come once the upstream has the CONNECT and the watch has had 2 × watchAfter to start
+	}{{"http", false}, {"socks5", false}, {"http", true}, {"socks5", true}} {
+		proto := tc.proto
+		t.Run(fmt.Sprintf("%s later %v", proto, tc.later), func(t *testing.T) {
+			// An upstream that answers CONNECT only after 5 × watchAfter, so
+			// that the watch runs while the client's bytes come.
+			got := make(chan struct{}, 1) // the upstream has the CONNECT
+			slow := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+				defer c.Close()
+				br := bufio.NewReader(c)
+				req, err := http.ReadRequest(br)
+				if err != nil {
+					return
+				}
+				select {
+				case got <- struct{}{}:
+				default:
+				}
+				dst, err := net.Dial("tcp", req.RequestURI)
+				if err != nil {
+					return
+				}
+				defer dst.Close()
+				time.Sleep(5 * watchAfter)
+				if _, err := io.WriteString(c, "HTTP/1.1 200 OK\r\n\r\n"); err != nil {
+					return
+				}
+				go func() {
+					_, _ = io.Copy(dst, br)
+					_ = dst.(*net.TCPConn).CloseWrite()
+				}()
+				_, _ = io.Copy(c, dst)
+			})
 			p := newFakePool(&pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: slow})
 			tl := startListener(t, testConfig(func(c *Config) {
 				c.Protocol = proto
@@ -552,8 +568,15 @@ func TestEarlyBytesWhileTunnelOpens(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
+			if tc.later {
+				<-got
+				time.Sleep(2 * watchAfter) // the upstream answers after 5 × watchAfter
+			}
 			if _, err := io.WriteString(c, "early"); err != nil {
 				t.Fatal(err)
+			}
+			if !tc.later {
+				_ = c.(*net.TCPConn).CloseWrite()
 			}
 			if proto == "http" {
 				resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
@@ -566,14 +589,60 @@ func TestEarlyBytesWhileTunnelOpens(t *testing.T) {
 					t.Fatalf("SOCKS5 answers %v, %v", head, err)
 				}
 			}
-			got := make([]byte, len("early"))
-			if _, err := io.ReadFull(br, got); err != nil || string(got) != "early" {
-				t.Fatalf("echoed %q, %v; want the early bytes", got, err)
+			echoed := make([]byte, len("early"))
+			if _, err := io.ReadFull(br, echoed); err != nil || string(echoed) != "early" {
+				t.Fatalf("echoed %q, %v; want the early bytes", echoed, err)
+			}
+			if !tc.later {
+				<-got
 			}
 			_ = c.Close()
 			p.waitBalanced(t)
 			if r := p.Reports(); len(r) != 1 || r[0].res != pool.Success {
 				t.Errorf("reports %+v, want one success", r)
+			}
+		})
+	}
+}
+
+// A client that hangs up while its pick waits (a sticky session's rotation
+// in flight) ends the wait, and the connection is the client's, not one
+// without an upstream.
+func TestClientLeavesWhilePickWaits(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
+	for _, proto := range []string{"http", "socks5"} {
+		t.Run(proto, func(t *testing.T) {
+			waiting := make(chan struct{}, 1)
+			p := newFakePool()
+			p.PickFunc = func(ctx context.Context, _ pool.Request) (*pool.Upstream, error) {
+				waiting <- struct{}{}
+				<-ctx.Done()
+				return nil, context.Cause(ctx)
+			}
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.Protocol = proto
+				c.AllowDestinations = loopbackAllowed
+				c.RetryTimeout = 30 * time.Second
+			}), p)
+			c, err := net.Dial("tcp", tl.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if proto == "http" {
+				fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", origin, origin)
+			} else {
+				host, port, _ := splitHostPort(origin, 0)
+				req := append([]byte{5, 1, 0, 5, 1, 0, 1}, net.ParseIP(host).To4()...)
+				if _, err := c.Write(append(req, byte(port>>8), byte(port))); err != nil {
+					t.Fatal(err)
+				}
+			}
+			<-waiting
+			_ = c.Close()
+			waitFor(t, 3*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+			if o := tl.obs.Closeds()[0].o; o != OutcomeClientError {
+				t.Errorf("outcome %s, want %s", o, OutcomeClientError)
 			}
 		})
 	}

@@ -106,10 +106,15 @@ func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Reques
 		return
 	}
 	pending := bufferedCopy(br)
-	w := l.watchOpening(cc)
+	w := l.watchOpening(cc, len(pending) > 0)
 	upc, up, retries, fail := l.openTunnel(w.ctx, key, socks5.Addr{Host: host, Port: port})
 	w.stop()
 	cc.retries.Add(int32(retries))
+	if fail == nil && w.left() {
+		cc.setOutcome(OutcomeClientError)
+		l.abandon(cc, upc, up)
+		return
+	}
 	// Only the answer's write needs a deadline: nothing is read from the
 	// client before the relay.
 	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))

@@ -33,12 +33,16 @@ type openWatch struct {
 }
 
 // watchOpening starts the watch of a client whose tunnel is being opened;
-// its ctx ends with the listener's or when the client hangs up. The caller
-// must call stop before it answers the client.
-func (l *Listener) watchOpening(cc *clientConn) *openWatch {
+// its ctx ends with the listener's or when the client hangs up. early
+// says that the client already sent bytes for the tunnel (they wait in a
+// reader): it is there, and an end of stream after them is a half-close,
+// so nothing is watched. The client's read deadline must be clear, as it
+// is after its request is read, and nothing else may read from it until
+// stop, which the caller must call before it answers the client.
+func (l *Listener) watchOpening(cc *clientConn, early bool) *openWatch {
 	w := &openWatch{l: l, cc: cc}
 	w.ctx, w.cancel = context.WithCancelCause(l.ctx)
-	if sc, ok := cc.Conn.(syscall.Conn); ok && canAwaitPeer {
+	if sc, ok := cc.Conn.(syscall.Conn); ok && canAwaitPeer && !early {
 		if rc, err := sc.SyscallConn(); err == nil {
 			w.rc = rc
 			w.timer = time.AfterFunc(watchAfter, w.start)
@@ -63,6 +67,10 @@ func (w *openWatch) start() {
 		w.done = done
 	}
 }
+
+// left reports whether the client hung up while the attempts ran; a tunnel
+// opened all the same is abandoned (it was opened for nobody).
+func (w *openWatch) left() bool { return context.Cause(w.ctx) == errClientLeft }
 
 // stop ends the watch once the attempts are over: a watch still waiting is
 // woken by a read deadline in the past, which is cleared after it.

@@ -63,10 +63,15 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 	// them), then has HeaderTimeout to take the reply. Nothing is read from
 	// it until the relay.
 	_ = cc.SetReadDeadline(time.Time{})
-	w := l.watchOpening(cc)
+	w := l.watchOpening(cc, br.Buffered() > 0)
 	upc, up, retries, fail := l.openTunnel(w.ctx, key, req.Dest)
 	w.stop()
 	cc.retries.Add(int32(retries))
+	if fail == nil && w.left() {
+		cc.setOutcome(OutcomeClientError)
+		l.abandon(cc, upc, up)
+		return
+	}
 	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
