@@ -356,16 +356,7 @@ func TestScrubEscapedCredential(t *testing.T) {
 	const token = "tok/Zq9XvB7rLm2+Kp4Ws8Yt1"
 	escaped := strings.ReplaceAll(token, "/", `\/`)
 	for _, status := range []int{422, 200} {
-		srv, _ := serve(t, status, `{"error":"bad token `+escaped+`"}`)
-		c, err := New(apiConfig(func(c *Config) { c.BaseURL, c.Token, c.Version, c.Timeout = srv.URL, token, "1.2.3", 5*time.Second }))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = c.StickyResetAll(context.Background(), 1)
-		var apiErr *APIError
-		if !errors.As(err, &apiErr) {
-			t.Fatalf("status %d: %v, want a *APIError", status, err)
-		}
+		apiErr, err := resetAllError(t, token, status, `{"error":"bad token `+escaped+`"}`)
 		if strings.Contains(err.Error(), token) || strings.Contains(apiErr.Message, token) || strings.Contains(apiErr.Body, escaped) {
 			t.Errorf("status %d: the token is in the error: %v", status, err)
 		}
@@ -431,16 +422,7 @@ func TestRedactBeforeCut(t *testing.T) {
 	const token = "tok9XvB7rLm2Kp4Ws8Yt1Qa"
 	for _, status := range []int{422, 200} {
 		for _, at := range []int{240, 250, 255} {
-			srv, _ := serve(t, status, `{"error":"`+strings.Repeat("x", at)+token+` and more"}`)
-			c, err := New(apiConfig(func(c *Config) { c.BaseURL, c.Token, c.Timeout = srv.URL, token, 5*time.Second }))
-			if err != nil {
-				t.Fatal(err)
-			}
-			_, err = c.StickyResetAll(context.Background(), 1)
-			var apiErr *APIError
-			if !errors.As(err, &apiErr) {
-				t.Fatalf("status %d: %v, want a *APIError", status, err)
-			}
+			apiErr, err := resetAllError(t, token, status, `{"error":"`+strings.Repeat("x", at)+token+` and more"}`)
 			for _, shown := range []string{err.Error(), apiErr.Message, apiErr.Body} {
 				if strings.Contains(shown, token[:4]) {
 					t.Errorf("status %d, token at %d: part of it shows in %q", status, at, shown)
@@ -448,4 +430,22 @@ func TestRedactBeforeCut(t *testing.T) {
 			}
 		}
 	}
+}
+
+// resetAllError calls a refused sticky reset through a client with token,
+// against an answer of status and body, and returns the *APIError it
+// fails with and the error as returned.
+func resetAllError(t *testing.T, token string, status int, body string) (*APIError, error) {
+	t.Helper()
+	srv, _ := serve(t, status, body)
+	c, err := New(apiConfig(func(c *Config) { c.BaseURL, c.Token, c.Version, c.Timeout = srv.URL, token, "1.2.3", 5*time.Second }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.StickyResetAll(context.Background(), 1)
+	var apiErr *APIError
+	if !errors.As(err, &apiErr) {
+		t.Fatalf("status %d: %v, want a *APIError", status, err)
+	}
+	return apiErr, err
 }

@@ -448,7 +448,6 @@ func TestClassifyDialUnderBudget(t *testing.T) {
 func TestClientLeavesWhileTunnelOpens(t *testing.T) {
 	checkLeaks(t)
 	origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
-	host, port, _ := splitHostPort(origin, 0)
 	for _, tc := range []struct {
 		proto string
 		wait  bool // hang up once the upstream has the connection
@@ -465,21 +464,7 @@ func TestClientLeavesWhileTunnelOpens(t *testing.T) {
 				c.HandshakeTimeout = 30 * time.Second
 				c.RetryTimeout = 30 * time.Second
 			}), p)
-			c, err := net.Dial("tcp", tl.addr)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if tc.proto == "http" {
-				fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", origin, origin)
-			} else {
-				// The greeting (no authentication) and the CONNECT request,
-				// in one write: proxyd's server keeps what comes early.
-				req := append([]byte{5, 1, 0, 5, 1, 0, 1}, net.ParseIP(host).To4()...)
-				req = append(req, byte(port>>8), byte(port))
-				if _, err := c.Write(req); err != nil {
-					t.Fatal(err)
-				}
-			}
+			c, _ := askTunnel(t, tc.proto, tl.addr, origin)
 			if tc.wait {
 				waitFor(t, 5*time.Second, func() bool { return hang.accepted.Load() == 1 }, "the upstream's connection")
 			}
@@ -512,7 +497,6 @@ func TestClientLeavesWhileTunnelOpens(t *testing.T) {
 func TestEarlyBytesWhileTunnelOpens(t *testing.T) {
 	checkLeaks(t)
 	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
-	host, port, _ := splitHostPort(echo, 0)
 	for _, tc := range []struct {
 		proto string
 		later bool // the bytes come once the upstream has the CONNECT and the watch has had 2 × watchAfter to start
@@ -553,24 +537,14 @@ func TestEarlyBytesWhileTunnelOpens(t *testing.T) {
 				c.Protocol = proto
 				c.AllowDestinations = loopbackAllowed
 			}), p)
-			c, err := net.Dial("tcp", tl.addr)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-			br := bufio.NewReader(c)
-			if proto == "http" {
-				fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", echo, echo)
-			} else {
-				req := append([]byte{5, 1, 0, 5, 1, 0, 1}, net.ParseIP(host).To4()...)
-				if _, err := c.Write(append(req, byte(port>>8), byte(port))); err != nil {
-					t.Fatal(err)
-				}
-			}
+			c, br := askTunnel(t, proto, tl.addr, echo)
 			if tc.later {
 				<-got
-				time.Sleep(2 * watchAfter) // the upstream answers after 5 × watchAfter
+				// Not a wait for a condition: the watch starts watchAfter
+				// into the attempt and shows no sign of it. The checks hold
+				// either way; the wait (the upstream answers after 5 ×
+				// watchAfter) makes the watch's path the likely one.
+				time.Sleep(2 * watchAfter)
 			}
 			if _, err := io.WriteString(c, "early"); err != nil {
 				t.Fatal(err)
@@ -625,19 +599,7 @@ func TestClientLeavesWhilePickWaits(t *testing.T) {
 				c.AllowDestinations = loopbackAllowed
 				c.RetryTimeout = 30 * time.Second
 			}), p)
-			c, err := net.Dial("tcp", tl.addr)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if proto == "http" {
-				fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", origin, origin)
-			} else {
-				host, port, _ := splitHostPort(origin, 0)
-				req := append([]byte{5, 1, 0, 5, 1, 0, 1}, net.ParseIP(host).To4()...)
-				if _, err := c.Write(append(req, byte(port>>8), byte(port))); err != nil {
-					t.Fatal(err)
-				}
-			}
+			c, _ := askTunnel(t, proto, tl.addr, origin)
 			<-waiting
 			_ = c.Close()
 			waitFor(t, 3*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
@@ -646,4 +608,23 @@ func TestClientLeavesWhilePickWaits(t *testing.T) {
 			}
 		})
 	}
+}
+
+// askTunnel asks the listener at addr (proto "http" or "socks5") for a
+// tunnel to dest, an IPv4 address, without waiting for the answer; for
+// SOCKS5 the greeting (no authentication) and the request go in one write,
+// which proxyd's server takes.
+func askTunnel(t *testing.T, proto, addr, dest string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, br := dialRaw(t, addr)
+	if proto == "http" {
+		fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", dest, dest)
+		return c, br
+	}
+	host, port, _ := splitHostPort(dest, 0)
+	req := append([]byte{5, 1, 0, 5, 1, 0, 1}, net.ParseIP(host).To4()...)
+	if _, err := c.Write(append(req, byte(port>>8), byte(port))); err != nil {
+		t.Fatal(err)
+	}
+	return c, br
 }
