@@ -14,9 +14,8 @@ func peerSilent(rc syscall.RawConn) bool {
 	}
 	silent := false
 	err := rc.Read(func(fd uintptr) bool {
-		var b [1]byte
-		_, _, rerr := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		silent = rerr == syscall.EAGAIN
+		_, perr := peekByte(fd)
+		silent = perr == syscall.EAGAIN
 		return true
 	})
 	return err == nil && silent
@@ -31,18 +30,25 @@ const canAwaitPeer = true
 func peerGone(rc syscall.RawConn) bool {
 	gone := false
 	err := rc.Read(func(fd uintptr) bool {
-		var b [1]byte
-		for {
-			n, _, rerr := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-			switch rerr {
-			case syscall.EINTR:
-				continue
-			case syscall.EAGAIN:
-				return false
-			}
-			gone = rerr != nil || n == 0
-			return true
+		n, perr := peekByte(fd)
+		if perr == syscall.EAGAIN {
+			return false
 		}
+		gone = perr != nil || n == 0
+		return true
 	})
 	return err == nil && gone
+}
+
+// peekByte peeks at the socket fd without waiting and leaves what it sees
+// queued: 1 with bytes there, 0 at the end of stream, EAGAIN with nothing
+// yet, or the socket's error.
+func peekByte(fd uintptr) (int, error) {
+	var b [1]byte
+	for {
+		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		if err != syscall.EINTR {
+			return n, err
+		}
+	}
 }
