@@ -141,9 +141,9 @@ func (s *ServiceState) statusIP(addr string) string {
 }
 
 // UnservedSessions returns the sticky sessions that got no upstream for any
-// protocol of the service's lists: they serve no connection, so the pool
-// never rotates them, while an errored exit IP of theirs still calls for a
-// rotation.
+// protocol of the service's lists: they serve no connection, so no failure
+// ever asks for their rotation, while an errored exit IP of theirs still
+// does (the pool takes them as unserved sessions).
 func (s *ServiceState) UnservedSessions() []StickySession {
 	if s.Record.ProductType != "ppr" {
 		return nil

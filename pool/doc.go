@@ -14,8 +14,9 @@
 // Strategies (round-robin, random, least-conn, latency) are pure functions
 // over an immutable snapshot that Pick reads through an atomic pointer;
 // per-upstream state is atomics. Sticky keys live in a bounded, sharded
-// table; a failing ppr sticky session is rotated through a Rotator, once
-// for all of its upstreams (one per protocol it can be dialed with).
+// table; a failing ppr sticky session, or one whose exit IP is errored, is
+// rotated through a Rotator, once for all of its upstreams (one per
+// protocol it can be dialed with, or none: an UnservedSession).
 //
 // Config is the [pool] section of the configuration file, and SetConfig
 // swaps a new one in while the pool serves. What happens to upstreams

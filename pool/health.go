@@ -164,7 +164,7 @@ func (p *Pool) succeeded(h *host) {
 func (p *Pool) failed(h *host, r Result) {
 	p.countFailure(h, r)
 	c := h.consec.Add(1)
-	p.requestRotate(h, r) // if it stands for a ppr sticky session
+	p.requestRotate(h.sess.Load(), h, r) // if it stands for a ppr sticky session
 	if until := h.ejectedUntil.Load(); until != 0 {
 		if h.trial.Load() && p.now().UnixNano() >= until {
 			p.reeject(h) // the trial failed

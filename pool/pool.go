@@ -39,6 +39,7 @@ type Pool struct {
 	gen       uint64                  // the last Update, for host.mark
 	sessions  map[sessionKey]*session // ppr sticky sessions of the current set, each shared by its upstreams
 	resting   map[sessionKey]*session // sessions out of the set whose rotation limit still runs (see dropSessions)
+	unserved  []*session              // sessions of the set that no upstream stands for (UnservedSession)
 	linked    int                     // sessions the Update under way linked so far
 
 	ejectMu sync.Mutex // ejection and re-admission against the per-slice counters
@@ -324,8 +325,9 @@ func sameUpstream(a, b *Upstream) bool {
 // drain: no new connections, and they leave once none is in flight.
 // Duplicate IDs keep the first. Each upstream that joins or leaves gets an
 // event (added, removed), and one that joins on a provider's list gets that
-// list's event too.
-func (p *Pool) Update(ups []Upstream) {
+// list's event too. The unserved sessions replace those of the last Update:
+// they serve no connection, and are rotated when their exit IP is errored.
+func (p *Pool) Update(ups []Upstream, unserved ...UnservedSession) {
 	p.mu.Lock()
 	old := p.snap.Load()
 	p.gen++
@@ -379,6 +381,18 @@ func (p *Pool) Update(ups []Upstream) {
 			rotate = append(rotate, h)
 		}
 	}
+	p.unserved = p.unserved[:0]
+	var idle []*session // unserved, to be rotated
+	for _, us := range unserved {
+		if s := p.linkUnserved(us, gen); s != nil {
+			if st.service != us.Service || !st.valid {
+				st = p.statusOf(us.Service)
+			}
+			if st.exitErrored(s.exitIP) {
+				idle = append(idle, s)
+			}
+		}
+	}
 	var removed []*host
 	for _, h := range old.hosts {
 		if h.mark != gen {
@@ -413,7 +427,7 @@ func (p *Pool) Update(ups []Upstream) {
 	for _, h := range removed {
 		p.record(EventRemoved, h.id, h.cur.Load().Service, "")
 	}
-	p.requestRotations(rotate)
+	p.requestRotations(rotate, idle)
 	p.notifyChanged()
 }
 
@@ -456,7 +470,7 @@ func (st *serviceStatus) apply(h *host) (rotate bool) {
 	if st.inactive[named] {
 		f |= fProviderInactive
 	}
-	if u.Kind == PPR && u.Session != "" && u.ExitIP != "" && st.errored[u.ExitIP] {
+	if u.Kind == PPR && u.Session != "" && st.exitErrored(u.ExitIP) {
 		f |= fExitErrored
 	}
 	if st.quota {
@@ -464,6 +478,12 @@ func (st *serviceStatus) apply(h *host) (rotate bool) {
 	}
 	h.setFlags(providerBits, f)
 	return f&fExitErrored != 0
+}
+
+// exitErrored reports whether a ppr session's exit IP is on the errored
+// list: a session to rotate.
+func (st *serviceStatus) exitErrored(exitIP string) bool {
+	return exitIP != "" && st.errored[exitIP]
 }
 
 // applyStatus is apply with h's service's status; the caller holds p.mu.
@@ -476,7 +496,8 @@ func (p *Pool) applyStatus(h *host) (rotate bool) {
 // service; it takes effect at once. An upstream whose host (for a ppr
 // sticky session: its gateway) is listed takes no new connections. A ppr
 // sticky session whose exit IP is errored is rotated instead (at most once
-// per RotateInterval); it is not excluded for that. Each upstream whose
+// per RotateInterval), with upstreams or unserved; it is not excluded for
+// that. Each upstream whose
 // provider state changes gets an event (provider_error, provider_inactive,
 // provider_ok); one whose state stays gets none, however often it is set.
 func (p *Pool) SetProviderStatus(service int, errored, inactive []string) {
@@ -505,6 +526,13 @@ func (p *Pool) SetProviderStatus(service int, errored, inactive []string) {
 			changes = append(changes, change{h, before, now})
 		}
 	}
+	var idle []*session
+	st := p.statusOf(service)
+	for _, s := range p.unserved {
+		if s.key.service == service && st.exitErrored(s.exitIP) {
+			idle = append(idle, s)
+		}
+	}
 	if changed {
 		p.publish(s) // recount the ejection cap's base
 	}
@@ -512,7 +540,7 @@ func (p *Pool) SetProviderStatus(service int, errored, inactive []string) {
 	for _, c := range changes {
 		p.recordProvider(c.h, c.before, c.now)
 	}
-	p.requestRotations(rotate)
+	p.requestRotations(rotate, idle)
 	if changed {
 		p.notifyChanged()
 	}

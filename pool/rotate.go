@@ -19,8 +19,9 @@ type session struct {
 	lastRotate atomic.Int64             // unix ns of the last rotation request
 
 	// Under Pool.mu:
-	hosts []*host // its upstreams in the current set
-	mark  uint64  // the last Update that listed one of them
+	hosts  []*host // its upstreams in the current set
+	mark   uint64  // the last Update that listed one of them, or listed it unserved
+	exitIP string  // an unserved session's exit IP (UnservedSession); its upstreams carry theirs
 }
 
 type sessionKey struct {
@@ -65,20 +66,7 @@ func (p *Pool) linkSession(h *host, gen uint64) {
 	u := h.cur.Load()
 	var s *session
 	if u.Kind == PPR && u.Session != "" {
-		k := sessionKey{u.Service, u.Server, u.Session}
-		if s = p.sessions[k]; s == nil {
-			// Back in the set, the session keeps its rotation history:
-			// the latest object of k is the one resting, if any, else
-			// the one its upstream had before it drained.
-			if s = p.resting[k]; s != nil {
-				delete(p.resting, k)
-			} else if old := h.sess.Load(); old != nil && old.key == k {
-				s = old
-			} else {
-				s = &session{key: k}
-			}
-			p.sessions[k] = s
-		}
+		s = p.sessionOf(sessionKey{u.Service, u.Server, u.Session}, h.sess.Load())
 		if s.mark != gen {
 			s.mark, s.hosts = gen, s.hosts[:0]
 			p.linked++
@@ -89,6 +77,44 @@ func (p *Pool) linkSession(h *host, gen uint64) {
 		h.sess.Store(s)
 	}
 	h.syncRotating()
+}
+
+// sessionOf returns the session of key k in the set, adding it if needed.
+// Back in the set, a session keeps its rotation history: the latest object
+// of k is the one resting, if any, else prev (the one its upstream had
+// before it drained) when it is k's. The caller holds p.mu.
+func (p *Pool) sessionOf(k sessionKey, prev *session) *session {
+	s := p.sessions[k]
+	if s == nil {
+		if s = p.resting[k]; s != nil {
+			delete(p.resting, k)
+		} else if prev != nil && prev.key == k {
+			s = prev
+		} else {
+			s = &session{key: k}
+		}
+		p.sessions[k] = s
+	}
+	return s
+}
+
+// linkUnserved adds us, a session no upstream of Update gen stands for, to
+// the set (p.unserved), where it is rotated when its exit IP is errored;
+// it returns the session, or nil when us is not one: incomplete, or linked
+// already (by an upstream or twice). The caller holds p.mu and has linked
+// the upstreams of gen.
+func (p *Pool) linkUnserved(us UnservedSession, gen uint64) *session {
+	if us.Server == "" || us.Session == "" {
+		return nil
+	}
+	s := p.sessionOf(sessionKey{us.Service, us.Server, us.Session}, nil)
+	if s.mark == gen {
+		return nil
+	}
+	s.mark, s.hosts, s.exitIP = gen, nil, us.ExitIP
+	p.linked++
+	p.unserved = append(p.unserved, s)
+	return s
 }
 
 // restingMax bounds the sessions kept out of the set for their rotation
@@ -144,9 +170,10 @@ func (p *Pool) pruneResting(now, interval int64) {
 	}
 }
 
-// requestRotations asks for the rotation of the sessions of hs, whose exit
-// IPs are errored: once per session, however many of its upstreams hs holds.
-func (p *Pool) requestRotations(hs []*host) {
+// requestRotations asks for the rotation of the sessions of hs and of
+// the unserved sessions idle, whose exit IPs are errored: once per
+// session, however many of its upstreams hs holds.
+func (p *Pool) requestRotations(hs []*host, idle []*session) {
 	var asked map[*session]bool
 	for _, h := range hs {
 		s := h.sess.Load()
@@ -159,27 +186,29 @@ func (p *Pool) requestRotations(hs []*host) {
 			}
 			asked[s] = true
 		}
-		p.requestRotate(h, numResults)
+		p.requestRotate(s, h, numResults)
+	}
+	for _, s := range idle {
+		p.requestRotate(s, nil, numResults)
 	}
 }
 
-// requestRotate asks the Rotator to rotate the session h stands for (if it
-// stands for one), because of h's failure cause or (numResults) its errored
-// exit IP: at most once per session per RotateInterval, whichever of the
-// session's upstreams asks. The session is rotating until the answer. A
-// request held back by RotateInterval is counted by the Rotated hook as
+// requestRotate asks the Rotator to rotate session s (nil: none, h stands
+// for no session) because of the failure cause of h, one of its upstreams,
+// or (numResults) its errored exit IP, h then being any of its upstreams
+// or nil for an unserved session: at most once per session per
+// RotateInterval, whoever asks. The session is rotating until the answer.
+// A request held back by RotateInterval is counted by the Rotated hook as
 // "rate_limited" but is no event: no rotation was tried, and it happens on
 // every failure of the session within the interval.
-func (p *Pool) requestRotate(h *host, cause Result) {
-	s := h.sess.Load()
+func (p *Pool) requestRotate(s *session, h *host, cause Result) {
 	if p.opts.Rotator == nil || s == nil || s.rot.Load() != nil {
 		return
 	}
-	u := h.cur.Load()
 	now := p.now().UnixNano()
 	last := s.lastRotate.Load()
 	if tooSoon(last, now, int64(p.cfg.Load().RotateInterval)) {
-		p.rotated(u.Service, "rate_limited")
+		p.rotated(s.key.service, "rate_limited")
 		return
 	}
 	if !s.lastRotate.CompareAndSwap(last, now) {
@@ -199,8 +228,10 @@ func (p *Pool) requestRotate(h *host, cause Result) {
 	}
 	// h at once, so that the next pick passes it by; the session's other
 	// upstreams as the rotation starts, under p.mu, where Update links them.
-	h.setFlags(fRotating, fRotating)
-	go p.rotate(s, r, h, u)
+	if h != nil {
+		h.setFlags(fRotating, fRotating)
+	}
+	go p.rotate(s, r, h)
 }
 
 func (p *Pool) rotated(service int, result string) {
@@ -209,17 +240,18 @@ func (p *Pool) rotated(service int, result string) {
 	}
 }
 
-// rotate runs one rotation of s, which h (whose upstream is u) asked for;
+// rotate runs one rotation of s, which h asked for (nil: s is unserved);
 // Run waits for it. The session's upstreams are rotating while it runs:
 // those of the set, and h, as it starts; those linked meanwhile, by
 // linkSession. As it ends, every one of them marked at its start and every
 // one of the set gets its bit back from its session (see syncRotating),
 // whether it is still in the set, draining or linked elsewhere by now.
-func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
+func (p *Pool) rotate(s *session, r *rotation, h *host) {
 	defer p.rotWG.Done()
+	k := s.key
 	p.mu.Lock()
 	marked := slices.Clone(s.hosts)
-	if !slices.Contains(marked, h) {
+	if h != nil && !slices.Contains(marked, h) {
 		marked = append(marked, h)
 	}
 	for _, t := range marked {
@@ -227,7 +259,7 @@ func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 	}
 	p.mu.Unlock()
 	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.Load().RotateTimeout)
-	exitIP, err := p.opts.Rotator.Rotate(ctx, u.Service, u.Server, u.Session)
+	exitIP, err := p.opts.Rotator.Rotate(ctx, k.service, k.server, k.session)
 	cancel()
 	result := "ok"
 	switch {
@@ -242,11 +274,12 @@ func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 	// in flight): once per upstream ID, so not once it is forgotten or
 	// when its ID came back meanwhile as another host of the session.
 	hosts := slices.Clone(s.hosts)
-	if h.sess.Load() == s && p.draining[h.id] == h &&
+	if h != nil && h.sess.Load() == s && p.draining[h.id] == h &&
 		!slices.ContainsFunc(hosts, func(t *host) bool { return t.id == h.id }) {
 		hosts = append(hosts, h)
 	}
 	if err == nil {
+		s.exitIP = exitIP
 		for _, t := range hosts {
 			c := *t.cur.Load()
 			c.ExitIP = exitIP
@@ -256,7 +289,8 @@ func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 	}
 	p.mu.Unlock()
 	if err != nil {
-		p.log.Warn("rotating sticky session", "id", h.id, "result", result, "err", err)
+		p.log.Warn("rotating sticky session", "service", k.service, "server", k.server, "session", k.session,
+			"result", result, "err", err)
 	} else {
 		now := p.now().UnixNano()
 		for _, t := range hosts {
@@ -270,7 +304,8 @@ func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 			}
 		}
 		r.ok = true
-		p.log.Debug("rotated sticky session", "id", h.id, "exit_ip", exitIP)
+		p.log.Debug("rotated sticky session", "service", k.service, "server", k.server, "session", k.session,
+			"exit_ip", exitIP)
 	}
 	p.mu.Lock()
 	s.rot.Store(nil)
@@ -289,7 +324,11 @@ func (p *Pool) rotate(s *session, r *rotation, h *host, u *Upstream) {
 	for _, t := range hosts {
 		p.record(kind, t.id, t.cur.Load().Service, result) // once per upstream ID
 	}
-	p.rotated(u.Service, result)
+	if h == nil && len(hosts) == 0 {
+		// No upstream to name: the session itself, in the reason.
+		p.record(kind, "", k.service, result+": session "+k.session+" on "+k.server+", which no upstream stands for")
+	}
+	p.rotated(k.service, result)
 	if r.ok {
 		p.notifyChanged()
 	}

@@ -636,3 +636,62 @@ func TestRestingSessionsBounded(t *testing.T) {
 	}
 	close(release)
 }
+
+// A sticky session that no upstream stands for serves no connection, but
+// its errored exit IP is rotated as any session's: when the status names
+// it, and when an Update lists it under a status that already does; at
+// most once per rotate_interval; with its new exit IP it is errored no
+// more. When it gets an upstream later, its limit goes with it.
+func TestUnservedSessionRotatedWhenExitErrored(t *testing.T) {
+	clk := newClock()
+	rot, release := blockingRotator("203.0.113.77")
+	var rs rotations
+	events := NewEventLog(0, nil, clk.Now)
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rotator: rot, Events: events, Hooks: Hooks{Rotated: rs.hook}})
+	served := sessions(7, 1, "198.51.100.1")
+	idle := UnservedSession{Service: 7, Server: "gw.example.net", Session: "s9", ExitIP: "203.0.113.9"}
+	other := UnservedSession{Service: 8, Server: "gw.example.net", Session: "s9", ExitIP: "203.0.113.9"}
+	p.Update(served, idle, other)
+	if n := len(p.Upstreams()); n != 1 {
+		t.Fatalf("%d upstreams, want 1: an unserved session is none", n)
+	}
+
+	p.SetProviderStatus(7, []string{"203.0.113.8"}, nil) // another exit IP
+	p.SetProviderStatus(7, []string{"203.0.113.9"}, nil)
+	if got := <-rot.seen; got != "s9" {
+		t.Fatalf("rotated %s, want s9", got)
+	}
+	p.SetProviderStatus(7, []string{"203.0.113.9"}, nil) // under way: no second one
+	release <- struct{}{}
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
+	rot.mu.Lock()
+	if !slices.Equal(rot.calls, []string{"7/gw.example.net/s9"}) {
+		t.Errorf("sticky/rotate calls %v, want one of service 7's s9", rot.calls)
+	}
+	rot.mu.Unlock()
+	wantEvents(t, events, EventRotated, Event{Kind: EventRotated, Service: 7,
+		Reason: "ok: session s9 on gw.example.net, which no upstream stands for"})
+
+	// Its new exit IP is not errored: nothing to rotate, however often the
+	// status comes, until the next poll brings the old one back.
+	clk.Advance(DefaultConfig().RotateInterval)
+	p.SetProviderStatus(7, []string{"203.0.113.9"}, nil)
+	if got := rs.get(); len(got) != 1 {
+		t.Errorf("rotation results %v after the new exit IP, want one", got)
+	}
+	p.Update(served, idle) // the agent's view before it heard of the rotation
+	<-rot.seen
+	release <- struct{}{}
+	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 2 })
+
+	// Within the interval, the session with an upstream now is held back.
+	served = append(served, sessions(7, 10, "198.51.100.1")[9])
+	served[1].ExitIP = "203.0.113.9"
+	p.Update(served)
+	if got := rs.get(); !slices.Equal(got, []string{"ok", "ok", "rate_limited"}) {
+		t.Errorf("rotation results %v, want ok, ok, rate_limited", got)
+	}
+	if n := rot.count(); n != 2 {
+		t.Errorf("%d sticky/rotate calls, want 2", n)
+	}
+}

@@ -53,6 +53,18 @@ type Upstream struct {
 	h *host // owned by the pool; nil on upstreams that no pool handed out
 }
 
+// UnservedSession is a ppr sticky session that the provider lists but no
+// upstream stands for: no IP list vouches for a port of it in any protocol
+// dialed. It serves no connection, yet its exit IP is the provider's: when
+// it is on the errored list, the pool rotates the session as it does one
+// with upstreams (at most once per RotateInterval, the same Rotated hook
+// and events; an event with no upstream names the session in its reason).
+type UnservedSession struct {
+	Service         int
+	Server, Session string // the {server} and {session} of sticky/rotate
+	ExitIP          string // the current exit IP, when known
+}
+
 // ID is the stable identity of an upstream: service/protocol/address, plus
 // /session for a ppr sticky session (credentials, exit IP and Match are not
 // part of it). A refresh that yields the same ID keeps

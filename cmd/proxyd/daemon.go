@@ -401,7 +401,8 @@ func (d *daemon) alive(maxAge time.Duration) (bool, string) {
 }
 
 // apply turns an agent snapshot into pool updates (the upstreams each
-// service's lists and sticky sessions give, provider status, usage) and
+// service's lists and sticky sessions give, the sessions none stands for,
+// which the pool still rotates, provider status, usage) and
 // saves the state. Services whose lists are not known yet keep the upstreams the
 // pool has (from the state file), so a partial first poll never empties it.
 //
@@ -414,6 +415,7 @@ func (d *daemon) apply(agent.Snapshot) {
 	prev := d.pool.Upstreams()
 	known := map[int]bool{}
 	var next []pool.Upstream
+	var unserved []pool.UnservedSession
 	for i := range s.Services {
 		st := &s.Services[i]
 		if !st.ListsKnown {
@@ -422,6 +424,9 @@ func (d *daemon) apply(agent.Snapshot) {
 		known[st.ID] = true
 		for _, u := range st.Upstreams() {
 			next = append(next, poolUpstream(u))
+		}
+		for _, ss := range st.UnservedSessions() {
+			unserved = append(unserved, pool.UnservedSession{Service: st.ID, Server: ss.Server, Session: ss.Session, ExitIP: ss.ExitIP})
 		}
 	}
 	dropped := map[int]bool{}
@@ -446,7 +451,7 @@ func (d *daemon) apply(agent.Snapshot) {
 		next = append(next, u)
 	}
 	if len(known) > 0 || len(dropped) > 0 {
-		d.pool.Update(next)
+		d.pool.Update(next, unserved...)
 		d.metrics.PoolUpdated(time.Now())
 		d.logPoolChange(prev, next)
 	}

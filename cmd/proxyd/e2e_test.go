@@ -510,6 +510,47 @@ func TestDaemonStickySessionRotated(t *testing.T) {
 	}
 }
 
+// A sticky session whose port no IP list vouches for gets no upstream,
+// yet proxyd has the provider rotate it when its exit IP is errored, as it
+// does the sessions it dials.
+func TestDaemonUnservedSessionRotated(t *testing.T) {
+	w := newWorld(t)
+	lost := providersim.Session{Server: "127.0.3.250", Session: "lost", Port: 4999, ExitIP: "198.51.100.99", TTL: 5}
+	w.sim.SetStickySessions(demoPPR, append(w.sim.Sessions(demoPPR), lost))
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	e.pollOnce(agent.LoopLists)
+	for _, u := range e.poolState().Upstreams {
+		if u.Session == lost.Session {
+			t.Fatalf("the unlisted session has an upstream: %+v", u)
+		}
+	}
+	w.sim.MarkErrored(demoPPR, lost.ExitIP)
+	e.pollOnce(agent.LoopStatus)
+	// The pool counts a rotation once it has recorded its event.
+	waitFor(t, "the rotation counted", 10*time.Second, func() bool {
+		_, body := e.admin("/metrics")
+		return strings.Contains(body, `proxyd_sticky_rotations_total{result="ok",service="102"} 1`)
+	})
+	for _, s := range w.sim.Sessions(demoPPR) {
+		if s.Session == lost.Session && s.ExitIP == lost.ExitIP {
+			t.Errorf("the unlisted session kept its errored exit IP %s", s.ExitIP)
+		}
+	}
+	if n := w.sim.Requests("/api/sticky/rotate/{id}/{server}/{session}"); n != 1 {
+		t.Errorf("%d sticky/rotate calls, want 1", n)
+	}
+	_, body := e.admin("/events?kind=rotated")
+	var got struct{ Events []pool.Event }
+	if err := json.Unmarshal([]byte(body), &got); err != nil {
+		t.Fatalf("/events: %v\n%s", err, body)
+	}
+	want := "ok: session lost on 127.0.3.250, which no upstream stands for"
+	if len(got.Events) != 1 || got.Events[0].Upstream != "" || got.Events[0].Service != demoPPR || got.Events[0].Reason != want {
+		t.Errorf("rotated events %+v, want one of service %d with reason %q", got.Events, demoPPR, want)
+	}
+}
+
 func TestDaemonQuotaMovesTrafficElsewhere(t *testing.T) {
 	w := newWorld(t)
 	e := startDaemon(t, w, t.TempDir(), nil)
