@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -627,4 +628,143 @@ func askTunnel(t *testing.T, proto, addr, dest string) (net.Conn, *bufio.Reader)
 		t.Fatal(err)
 	}
 	return c, br
+}
+
+// A WebSocket client that hangs up while its upgrade is being set up ends
+// the set-up, as a tunnel's client does: while its pick waits, while the
+// upstream has not answered (the upstream is let go at once, not at
+// handshake_timeout, and is not blamed), and while the origin's answer to
+// the upgrade is awaited through the tunnel (whose connection closes at
+// once, and which proved the upstream). The connection counts as the
+// client's.
+func TestClientLeavesWhileUpgradeOpens(t *testing.T) {
+	checkLeaks(t)
+	for _, tc := range []struct {
+		stage string // what is under way when the client leaves: "pick", "handshake" or "origin"
+		reset bool   // hang up with a reset instead of an end of stream
+	}{{"pick", false}, {"handshake", false}, {"handshake", true}, {"origin", false}, {"origin", true}} {
+		t.Run(fmt.Sprintf("%s reset %v", tc.stage, tc.reset), func(t *testing.T) {
+			// An origin that reads the upgrade and never answers it.
+			reached := make(chan struct{}, 1) // the origin has the upgrade
+			ended := make(chan struct{}, 1)   // and its connection ended
+			origin := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+				br := bufio.NewReader(c)
+				if _, err := http.ReadRequest(br); err != nil {
+					return
+				}
+				reached <- struct{}{}
+				_, _ = io.Copy(io.Discard, br)
+				ended <- struct{}{}
+			})
+			up := newHTTPUpstream(t, "", "", nil)
+			if tc.stage == "handshake" {
+				up.mode.Store(int32(modeHang))
+			}
+			p := newFakePool(up.upstream(1))
+			picking := make(chan struct{}, 1)
+			if tc.stage == "pick" {
+				p.PickFunc = func(ctx context.Context, _ pool.Request) (*pool.Upstream, error) {
+					picking <- struct{}{}
+					<-ctx.Done()
+					return nil, context.Cause(ctx)
+				}
+			}
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.AllowDestinations = loopbackAllowed
+				c.HandshakeTimeout = 30 * time.Second
+				c.RetryTimeout = 30 * time.Second
+			}), p)
+			c := askUpgrade(t, tl.addr, origin)
+			switch tc.stage {
+			case "pick":
+				awaitSignal(t, picking, "the pick")
+			case "handshake":
+				waitFor(t, 5*time.Second, func() bool { return up.accepted.Load() == 1 }, "the upstream's connection")
+			case "origin":
+				awaitSignal(t, reached, "the upgrade at the origin")
+			}
+			if tc.reset {
+				_ = c.(*net.TCPConn).SetLinger(0)
+			}
+			_ = c.Close()
+			start := time.Now()
+			waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+			if o := tl.obs.Closeds()[0].o; o != OutcomeClientError {
+				t.Errorf("outcome %s, want %s", o, OutcomeClientError)
+			}
+			want := []report(nil)
+			switch tc.stage {
+			case "handshake":
+				want = []report{{up.upstream(1).ID(), pool.Canceled}}
+			case "origin":
+				want = []report{{up.upstream(1).ID(), pool.Success}}
+				awaitSignal(t, ended, "the origin's connection to end")
+			}
+			p.waitBalanced(t)
+			if took := time.Since(start); took > 3*time.Second {
+				t.Errorf("the set-up ended %s after the client left", took)
+			}
+			if r := p.Reports(); !slices.Equal(r, want) {
+				t.Errorf("reports %+v, want %+v", r, want)
+			}
+		})
+	}
+}
+
+// An upgrade whose 101 comes after its client's watch started is relayed
+// as any: the watch ends before the answer, and the client's bytes go
+// through.
+func TestUpgradeAnsweredWhileWatched(t *testing.T) {
+	checkLeaks(t)
+	origin := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		br := bufio.NewReader(c)
+		if _, err := http.ReadRequest(br); err != nil {
+			return
+		}
+		// Not a wait for a condition: the answer comes late enough that
+		// the client's watch (after watchAfter) is the likely path.
+		time.Sleep(5 * watchAfter)
+		_, _ = io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+		_, _ = plainCopy(c, br)
+	})
+	p := newFakePool(newHTTPUpstream(t, "", "", nil).upstream(1))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	c := askUpgrade(t, tl.addr, origin)
+	br := bufio.NewReader(c)
+	if resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodGet}); err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("upgrade: %v, %v", resp, err)
+	}
+	if _, err := io.WriteString(c, "ping"); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 4)
+	if _, err := io.ReadFull(br, got); err != nil || string(got) != "ping" {
+		t.Fatalf("echoed %q, %v", got, err)
+	}
+	_ = c.Close()
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+	if o := tl.obs.Closeds()[0].o; o != OutcomeOK {
+		t.Errorf("outcome %s, want %s", o, OutcomeOK)
+	}
+	p.waitBalanced(t)
+}
+
+// askUpgrade sends the HTTP listener at addr a WebSocket upgrade to dest
+// without waiting for the answer.
+func askUpgrade(t *testing.T, addr, dest string) net.Conn {
+	t.Helper()
+	c, _ := dialRaw(t, addr)
+	fmt.Fprintf(c, "GET http://%s/ws HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"+
+		"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", dest, dest)
+	return c
+}
+
+// awaitSignal waits up to 5 s for a value on ch.
+func awaitSignal(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("timed out waiting for %s", what)
+	}
 }

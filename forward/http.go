@@ -246,15 +246,22 @@ func isUpgrade(h http.Header) bool {
 // tunnel to the origin through an upstream, the request in origin form, and
 // after a 101 a relay that ends when either side closes. It reports whether
 // the connection may carry another request (no upgrade happened).
+//
+// Its client waits for the 101 as a tunnel's does for its answer, and is
+// watched as one (openWatch) until the origin's answer came: a client that
+// hangs up meanwhile ends the set-up. One that sent more than its request
+// (a body, or early bytes) is there, and is not watched.
 func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key string, dest socks5.Addr) bool {
 	l, cc := hc.l, hc.cc
 	if req.URL.Scheme != "http" {
 		cc.setOutcome(OutcomeClientError)
 		return hc.answerError(req, body, http.StatusBadRequest, textBadRequest)
 	}
-	upc, up, retries, fail := l.openTunnel(hc.ctx, key, dest)
+	w := l.watchOpening(cc, body != nil || hc.br.Buffered() > 0)
+	upc, up, retries, fail := l.openTunnel(w.ctx, key, dest)
 	cc.retries.Add(int32(retries))
 	if fail != nil {
+		w.stop()
 		cc.setOutcome(fail.outcome)
 		return hc.answerError(req, body, fail.status, fail.text)
 	}
@@ -267,22 +274,29 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 	out.RequestURI = ""
 	stripHop(out.Header, true)
 	_ = upc.SetDeadline(time.Now().Add(l.cfg.HandshakeTimeout))
-	stop := context.AfterFunc(hc.ctx, func() { _ = upc.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
-	if err := out.Write(upc); err != nil {
-		fail2(OutcomeUpstreamError)
-		return hc.answerError(req, body, http.StatusBadGateway, textBadGateway)
-	}
+	stop := context.AfterFunc(w.ctx, func() { _ = upc.SetDeadline(time.Unix(1, 0)) })
+	var resp *http.Response
 	br := bufio.NewReader(upc)
-	resp, err := http.ReadResponse(br, out)
-	if err != nil {
-		fail2(OutcomeUpstreamError)
-		return hc.answerError(req, body, http.StatusBadGateway, textBadGateway)
+	err := w.ctx.Err() // a client that left as the tunnel opened: nothing goes to the origin
+	if err == nil {
+		err = out.Write(upc)
 	}
-	if !stop() {
+	if err == nil {
+		resp, err = http.ReadResponse(br, out)
+	}
+	stop()
+	// The client left, or the listener closed, before the answer: whatever
+	// the origin said, nobody is there to take it.
+	ended := w.ctx.Err() != nil
+	w.stop()
+	if ended {
 		fail2(OutcomeClientError)
 		_ = cc.Close()
 		return false
+	}
+	if err != nil {
+		fail2(OutcomeUpstreamError)
+		return hc.answerError(req, body, http.StatusBadGateway, textBadGateway)
 	}
 	_ = upc.SetDeadline(time.Time{})
 	if resp.StatusCode != http.StatusSwitchingProtocols {

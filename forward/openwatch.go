@@ -8,8 +8,9 @@ import (
 )
 
 // openWatch ends a tunnel's attempts when its client hangs up while they
-// run. A CONNECT or SOCKS5 client sends nothing while it waits for its
-// answer, which may take retry_timeout and a handshake; one that gives up
+// run. A CONNECT, SOCKS5 or WebSocket upgrade client sends nothing while it
+// waits for its answer, which may take retry_timeout and a handshake (and
+// for an upgrade the origin's 101 after them); one that gives up
 // meanwhile should not leave proxyd dialing and handshaking for nobody (an
 // upstream connection opened for no one still costs the upstream, and a
 // rotating service may bill it). As with a plain request (clientWatch),
