@@ -324,8 +324,9 @@ func (p *Pool) rotate(s *session, r *rotation, h *host) {
 	for _, t := range hosts {
 		p.record(kind, t.id, t.cur.Load().Service, result) // once per upstream ID
 	}
-	if h == nil && len(hosts) == 0 {
-		// No upstream to name: the session itself, in the reason.
+	if len(hosts) == 0 {
+		// No upstream to name (unserved, or its upstreams left the set
+		// while the rotation ran): the session itself, in the reason.
 		p.record(kind, "", k.service, result+": session "+k.session+" on "+k.server+", which no upstream stands for")
 	}
 	p.rotated(k.service, result)

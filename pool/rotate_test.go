@@ -29,6 +29,18 @@ func (f *fakeRotator) Rotate(ctx context.Context, service int, server, session s
 	return fn(ctx, session)
 }
 
+// await returns the session of the next call, failing the test after 5 s.
+func (f *fakeRotator) await(t *testing.T) string {
+	t.Helper()
+	select {
+	case s := <-f.seen:
+		return s
+	case <-time.After(5 * time.Second):
+		t.Fatal("timed out waiting for a sticky/rotate call")
+		return ""
+	}
+}
+
 func (f *fakeRotator) count() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -474,7 +486,7 @@ func TestRevivedTwinLeavesRotatingWithItsSession(t *testing.T) {
 				p.Update(without)
 			}
 			fail(p, handle(p, s0h), 1)
-			<-rot.seen // the rotation has marked the session's upstreams
+			rot.await(t) // the rotation has marked the session's upstreams
 			if joins != "at the start" {
 				p.Update(set) // the twin joins, rotating
 			}
@@ -525,7 +537,7 @@ func TestRotatedEventOncePerUpstreamID(t *testing.T) {
 				asking.h.inFlight.Add(1)
 			}
 			fail(p, asking, 1)
-			<-rot.seen
+			rot.await(t)
 			p.Update(slices.Delete(slices.Clone(set), 0, 1)) // s0h leaves
 			h0 := Event{Kind: EventRotated, Upstream: s0h.ID(), Service: 7, Reason: "ok"}
 			s0 := Event{Kind: EventRotated, Upstream: s0s.ID(), Service: 7, Reason: "ok"}
@@ -560,7 +572,7 @@ func TestSessionKeepsItsRotationLimitAcrossARefreshWithoutIt(t *testing.T) {
 	set[1].Address = "198.51.100.1:9001"
 	p.Update(set)
 	fail(p, handle(p, set[0]), 1)
-	<-rot.seen
+	rot.await(t)
 	r := rotationOf(handle(p, set[0]))
 	missed := func() { // one poll without s0, the next with it
 		p.Update(set[1:])
@@ -600,7 +612,7 @@ func TestSessionKeepsItsRotationLimitAcrossARefreshWithoutIt(t *testing.T) {
 	}
 	p.Update(set)
 	fail(p, handle(p, set[0]), 1)
-	<-rot.seen // rotated again
+	rot.await(t) // rotated again
 	release <- struct{}{}
 	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 3 })
 	if n := rot.count(); n != 2 {
@@ -625,7 +637,7 @@ func TestRestingSessionsBounded(t *testing.T) {
 	}
 	p.mu.Unlock()
 	fail(p, last, 1)
-	<-rot.seen
+	rot.await(t)
 	p.Update(nil)
 	p.mu.Lock()
 	n, kept := len(p.resting), p.resting[last.h.sess.Load().key] != nil
@@ -639,9 +651,10 @@ func TestRestingSessionsBounded(t *testing.T) {
 
 // A sticky session that no upstream stands for serves no connection, but
 // its errored exit IP is rotated as any session's: when the status names
-// it, and when an Update lists it under a status that already does; at
-// most once per rotate_interval; with its new exit IP it is errored no
-// more. When it gets an upstream later, its limit goes with it.
+// it, and when an Update lists it under a status that already does; one
+// rotation at a time, at most once per rotate_interval, also across
+// Updates; with its new exit IP it is errored no more. When it gets an
+// upstream later, its limit goes with it.
 func TestUnservedSessionRotatedWhenExitErrored(t *testing.T) {
 	clk := newClock()
 	rot, release := blockingRotator("203.0.113.77")
@@ -658,10 +671,12 @@ func TestUnservedSessionRotatedWhenExitErrored(t *testing.T) {
 
 	p.SetProviderStatus(7, []string{"203.0.113.8"}, nil) // another exit IP
 	p.SetProviderStatus(7, []string{"203.0.113.9"}, nil)
-	if got := <-rot.seen; got != "s9" {
+	if got := rot.await(t); got != "s9" {
 		t.Fatalf("rotated %s, want s9", got)
 	}
-	p.SetProviderStatus(7, []string{"203.0.113.9"}, nil) // under way: no second one
+	// Past the interval while the rotation is under way: no second one.
+	clk.Advance(DefaultConfig().RotateInterval)
+	p.SetProviderStatus(7, []string{"203.0.113.9"}, nil)
 	release <- struct{}{}
 	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
 	rot.mu.Lock()
@@ -673,25 +688,46 @@ func TestUnservedSessionRotatedWhenExitErrored(t *testing.T) {
 		Reason: "ok: session s9 on gw.example.net, which no upstream stands for"})
 
 	// Its new exit IP is not errored: nothing to rotate, however often the
-	// status comes, until the next poll brings the old one back.
+	// status comes, until a poll brings the old one back.
 	clk.Advance(DefaultConfig().RotateInterval)
 	p.SetProviderStatus(7, []string{"203.0.113.9"}, nil)
 	if got := rs.get(); len(got) != 1 {
 		t.Errorf("rotation results %v after the new exit IP, want one", got)
 	}
 	p.Update(served, idle) // the agent's view before it heard of the rotation
-	<-rot.seen
+	rot.await(t)
 	release <- struct{}{}
 	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 2 })
 
-	// Within the interval, the session with an upstream now is held back.
+	// Within the interval, the next poll is held back, and so is the
+	// session once it has an upstream.
+	p.Update(served, idle)
 	served = append(served, sessions(7, 10, "198.51.100.1")[9])
 	served[1].ExitIP = "203.0.113.9"
 	p.Update(served)
-	if got := rs.get(); !slices.Equal(got, []string{"ok", "ok", "rate_limited"}) {
-		t.Errorf("rotation results %v, want ok, ok, rate_limited", got)
+	if got := rs.get(); !slices.Equal(got, []string{"ok", "ok", "rate_limited", "rate_limited"}) {
+		t.Errorf("rotation results %v, want ok, ok, rate_limited, rate_limited", got)
 	}
 	if n := rot.count(); n != 2 {
 		t.Errorf("%d sticky/rotate calls, want 2", n)
 	}
+}
+
+// A rotation whose session's upstreams all left the set while it ran is
+// still recorded: with no upstream to name, by its session.
+func TestRotationEventWithoutUpstreams(t *testing.T) {
+	clk := newClock()
+	rot, release := blockingRotator("203.0.113.77")
+	var rs rotations
+	events := NewEventLog(0, nil, clk.Now)
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rotator: rot, Events: events, Hooks: Hooks{Rotated: rs.hook}})
+	set := sessions(7, 1, "198.51.100.1")
+	p.Update(set)
+	fail(p, handle(p, set[0]), 1)
+	rot.await(t)
+	p.Update(nil, UnservedSession{Service: 7, Server: set[0].Server, Session: set[0].Session, ExitIP: set[0].ExitIP})
+	release <- struct{}{}
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
+	wantEvents(t, events, EventRotated, Event{Kind: EventRotated, Service: 7,
+		Reason: "ok: session s0 on gw.example.net, which no upstream stands for"})
 }
