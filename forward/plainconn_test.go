@@ -112,6 +112,9 @@ func failures(p *fakePool) []report {
 // A kept upstream connection that the upstream closed while idle is
 // replaced without a failure for the client or the upstream's record.
 func TestPlainStaleConnectionReplaced(t *testing.T) {
+	if !canAwaitPeer {
+		t.Skip("proxyd cannot peek at a socket on this system: a kept connection's close shows only on use")
+	}
 	checkLeaks(t)
 	su := startScripted(t, func(n int64, _ *http.Request, _ net.Conn) (string, bool) {
 		// The first answer keeps the connection open, then the upstream

@@ -27,14 +27,6 @@ import (
 
 // ---- leak checks ----
 
-func countFDs(t testing.TB) int {
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatalf("reading fds: %v", err)
-	}
-	return len(ents)
-}
-
 // checkLeaks records goroutine and fd counts now and, at cleanup (after
 // every cleanup registered later), waits for them to return to that baseline.
 func checkLeaks(t *testing.T) {
@@ -693,6 +685,28 @@ func echoServe(c net.Conn) {
 	if cw, ok := c.(closeWriter); ok {
 		_ = cw.CloseWrite()
 	}
+}
+
+// tcpPair is a connected pair of loopback TCP connections, closed when the
+// test ends.
+func tcpPair(t *testing.T) (dialed, accepted net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	dialed, err = net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dialed.Close() })
+	accepted, err = ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = accepted.Close() })
+	return dialed, accepted
 }
 
 // ---- proxyd listener under test ----

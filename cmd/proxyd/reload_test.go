@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"regexp"
+	"runtime"
 	"slices"
 	"strings"
 	"syscall"
@@ -298,6 +299,9 @@ var viaRE = regexp.MustCompile(` via (\S+)`)
 // its socket. The tunnel opened before the first reload loses no byte
 // through all of them, and no request fails.
 func TestReloadEverySection(t *testing.T) {
+	if runtime.GOOS == "windows" {
+		t.Skip("no SIGHUP on Windows")
+	}
 	bin := proxydBinary(t)
 	a, b := newWorld(t), newWorld(t)
 	bURL := tokenGate(t, b.simURL, "token-for-b")

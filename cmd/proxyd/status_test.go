@@ -17,7 +17,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -117,14 +116,14 @@ func chromium(t *testing.T, bin string, args ...string) ([]byte, error) {
 	all := append([]string{"--headless", "--disable-gpu", "--no-sandbox", "--no-proxy-server",
 		"--no-first-run", "--disable-extensions", "--hide-scrollbars", "--user-data-dir=" + t.TempDir()}, args...)
 	cmd := exec.CommandContext(ctx, bin, all...)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
+	ownProcessGroup(cmd)
+	cmd.Cancel = func() error { return killProcessGroup(cmd) }
 	cmd.WaitDelay = 5 * time.Second
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
 	if cmd.Process != nil {
-		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) // helpers left behind, if any
+		killProcessGroup(cmd) // helpers left behind, if any
 	}
 	if err != nil {
 		return nil, errors.Join(err, errors.New(tail(stderr.String(), 2000)))

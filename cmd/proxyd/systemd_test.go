@@ -1,6 +1,7 @@
 package main
 
 import (
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -9,6 +10,9 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
+
+	"github.com/proxyd/proxyd/internal/syncbuf"
 )
 
 var (
@@ -37,6 +41,41 @@ func proxydBinary(t *testing.T) string {
 		t.Fatalf("building proxyd: %v\n%s", buildErr, builtBin)
 	}
 	return builtBin
+}
+
+// runBinary starts `proxyd run -config cfgPath` with env added to this
+// process's environment. It is killed when the test ends, and its stderr is
+// logged if the test failed; exited receives its exit.
+func runBinary(t *testing.T, bin, cfgPath string, env ...string) (*exec.Cmd, *syncbuf.Buffer, chan error) {
+	t.Helper()
+	cmd := exec.Command(bin, "run", "-config", cfgPath)
+	cmd.Env = append(os.Environ(), env...)
+	stderr := &syncbuf.Buffer{}
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		select {
+		case <-exited:
+		case <-time.After(5 * time.Second):
+		}
+		if t.Failed() {
+			t.Logf("proxyd stderr:\n%s", stderr.String())
+		}
+	})
+	return cmd, stderr, exited
+}
+
+func mustURL(s string) *url.URL {
+	u, err := url.Parse(s)
+	if err != nil {
+		panic(err)
+	}
+	return u
 }
 
 func TestMain(m *testing.M) {

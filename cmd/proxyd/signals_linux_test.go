@@ -7,9 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -22,8 +20,10 @@ import (
 
 	"github.com/proxyd/proxyd/agent/providersim"
 	"github.com/proxyd/proxyd/internal/freeport"
-	"github.com/proxyd/proxyd/internal/syncbuf"
 )
+
+// sd_notify and the CLOCK_MONOTONIC it is stamped with are systemd's, so
+// Linux's (notify_linux.go).
 
 // notifySocket collects sd_notify datagrams.
 type notifySocket struct {
@@ -246,41 +246,6 @@ func TestDaemonSignals(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("proxyd did not exit after the tunnel closed")
 	}
-}
-
-// runBinary starts `proxyd run -config cfgPath` with env added to this
-// process's environment. It is killed when the test ends, and its stderr is
-// logged if the test failed; exited receives its exit.
-func runBinary(t *testing.T, bin, cfgPath string, env ...string) (*exec.Cmd, *syncbuf.Buffer, chan error) {
-	t.Helper()
-	cmd := exec.Command(bin, "run", "-config", cfgPath)
-	cmd.Env = append(os.Environ(), env...)
-	stderr := &syncbuf.Buffer{}
-	cmd.Stderr = stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		select {
-		case <-exited:
-		case <-time.After(5 * time.Second):
-		}
-		if t.Failed() {
-			t.Logf("proxyd stderr:\n%s", stderr.String())
-		}
-	})
-	return cmd, stderr, exited
-}
-
-func mustURL(s string) *url.URL {
-	u, err := url.Parse(s)
-	if err != nil {
-		panic(err)
-	}
-	return u
 }
 
 // monotonicField is the MONOTONIC_USEC value of an sd_notify message.

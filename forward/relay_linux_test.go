@@ -12,6 +12,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// What is Linux's in the relay: the keep-alive options of its sockets
+// (TCP_KEEPIDLE), their receive queues (SIOCINQ) and the pipes of its
+// splices (splice_linux.go).
+
 // Clients on this machine get no TCP keep-alive (Listen leaves it off and
 // Serve turns it on only for other machines); upstream connections get
 // keep-alive.
@@ -161,28 +165,6 @@ func queued(t *testing.T, c net.Conn) int {
 	var n int
 	_ = rc.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
 	return n
-}
-
-// tcpPair is a connected pair of loopback TCP connections, closed when the
-// test ends.
-func tcpPair(t *testing.T) (dialed, accepted net.Conn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	dialed, err = net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = dialed.Close() })
-	accepted, err = ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = accepted.Close() })
-	return dialed, accepted
 }
 
 // TCP urgent data in a tunnel does not stall its direction: a splice stops
