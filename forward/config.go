@@ -163,6 +163,15 @@ func DefaultConfig() Config {
 // Validate reports every problem with c, each an error whose text starts
 // with the key as the file writes it ("retry_timeout: must be positive,
 // got 0s"), joined with errors.Join; nil when there is none.
+// LocalAddr is the address connections to upstreams are dialed from
+// (SourceAddress), for a net.Dialer; nil when the system chooses.
+func (c Config) LocalAddr() net.Addr {
+	if !c.SourceAddress.IsValid() {
+		return nil
+	}
+	return &net.TCPAddr{IP: c.SourceAddress.AsSlice(), Zone: c.SourceAddress.Zone()}
+}
+
 func (c Config) Validate() error {
 	var errs []error
 	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }

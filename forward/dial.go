@@ -79,9 +79,7 @@ func newDialer(cfg Config, log *slog.Logger) *dialer {
 	// first, and leaving them saves two system calls per dial (measured
 	// with the loopback rule in Listen: BENCHMARKS.md, "Small savers").
 	d.net.KeepAliveConfig = net.KeepAliveConfig{Enable: true, Idle: 30 * time.Second, Interval: -1, Count: -1}
-	if cfg.SourceAddress.IsValid() {
-		d.net.LocalAddr = &net.TCPAddr{IP: cfg.SourceAddress.AsSlice(), Zone: cfg.SourceAddress.Zone()}
-	}
+	d.net.LocalAddr = cfg.LocalAddr()
 	return d
 }
 

@@ -36,6 +36,7 @@ type daemon struct {
 	credSrc string        // where its credential came from (agent's source names)
 	poller  *agent.Poller
 	pool    *pool.Pool
+	prober  *tcpProber     // the pool's active probe, dialing from the listeners' source addresses
 	events  *pool.EventLog // GET /events: what happened to upstreams, services, listeners and reloads
 
 	reloadMu   sync.Mutex          // serializes reloads: what prepare read stays current until the commit
@@ -86,6 +87,7 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 	}
 	d := &daemon{
 		events:    pool.NewEventLog(pool.DefaultEventLogSize, logger, nil),
+		prober:    &tcpProber{},
 		log:       logger,
 		logs:      opts.logs,
 		getenv:    opts.getenv,
@@ -117,7 +119,7 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 	d.pool, err = pool.New(cfg.Pool, pool.Options{
 		Logger: logger,
 		Events: d.events,
-		Prober: tcpProber{},
+		Prober: d.prober,
 		Hooks: pool.Hooks{
 			Failure: func(service int, r pool.Result) { d.metrics.UpstreamFailure(service, r.String()) },
 			Ejected: d.metrics.Ejection,
@@ -131,6 +133,7 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 		return nil, fmt.Errorf("configuring the pool: %w", err)
 	}
 	d.pool.SetListeners(listenerSlices(cfg.Listener))
+	d.prober.setListeners(cfg.Listener)
 	d.metrics.SetPoolSource(d.pool.Explain)
 
 	d.poller, err = agent.NewPoller(d.client, d.pollConfig(cfg), d.apply, logger)

@@ -11,10 +11,12 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -690,6 +692,76 @@ func TestTCPProber(t *testing.T) {
 	start := time.Now()
 	if r := p.Probe(long, &pool.Upstream{Protocol: pool.SOCKS5, Address: silent.Addr().String()}); r != pool.HandshakeTimeout || time.Since(start) > 2*time.Second {
 		t.Errorf("silent upstream, probe cancelled after 100ms: %s after %s", r, time.Since(start))
+	}
+}
+
+// The probe dials an upstream from the source_address of the first
+// listener that dials it, as that listener's connections do; a reload
+// that changes the listeners changes it.
+func TestTCPProberSourceAddress(t *testing.T) {
+	if !loopbackAliases() {
+		t.Skip("needs all of 127.0.0.0/8 on the loopback interface (Linux)")
+	}
+	from := make(chan string, 1)
+	up, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer up.Close()
+	go func() {
+		for {
+			c, err := up.Accept()
+			if err != nil {
+				return
+			}
+			from <- hostOf(c.RemoteAddr().String())
+			c.Close()
+		}
+	}()
+	listener := func(kind, source string) listenerConfig {
+		l := defaultListener()
+		l.Protocol, l.Upstream, l.Kind = "http", "http", kind
+		if source != "" {
+			l.SourceAddress = netip.MustParseAddr(source)
+		}
+		return l
+	}
+	e := startDaemon(t, newWorld(t), t.TempDir(), func(c *config) {
+		c.Listener = []listenerConfig{listener("ppr", "127.0.0.3"), listener("fpr", "127.0.0.2"), listener("", "127.0.0.4")}
+		for i := range c.Listener {
+			c.Listener[i].Name, c.Listener[i].Address = fmt.Sprint("l", i), "127.0.0.1:0"
+		}
+	})
+	probeFrom := func(kind pool.Kind) string {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if r := e.d.prober.Probe(ctx, &pool.Upstream{Service: 101, Kind: kind, Protocol: pool.HTTP, Address: up.Addr().String()}); r != pool.Success {
+			t.Fatalf("probe: %s", r)
+		}
+		return <-from
+	}
+	if got := probeFrom(pool.FPR); got != "127.0.0.2" {
+		t.Errorf("fpr upstream probed from %s, want the fpr listener's 127.0.0.2", got)
+	}
+	if got := probeFrom(pool.PPR); got != "127.0.0.3" {
+		t.Errorf("ppr upstream probed from %s, want the ppr listener's 127.0.0.3", got)
+	}
+	next := e.cfg
+	next.Listener = slices.Clone(next.Listener[2:])
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	if got := probeFrom(pool.FPR); got != "127.0.0.4" {
+		t.Errorf("after the reload, fpr upstream probed from %s, want the one listener's 127.0.0.4", got)
+	}
+	next.Listener = slices.Clone(next.Listener) // the running config holds the other
+	next.Listener[0].SourceAddress = netip.Addr{}
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	if got := probeFrom(pool.FPR); got != "127.0.0.1" {
+		t.Errorf("without a source_address, probed from %s, want the system's choice 127.0.0.1", got)
 	}
 }
 

@@ -407,6 +407,7 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) err
 	}
 	d.metrics.SetListeners(listenerNames(next.Listener))
 	d.pool.SetListeners(listenerSlices(next.Listener))
+	d.prober.setListeners(next.Listener)
 	for _, rl := range retire {
 		handed := slices.ContainsFunc(took, func(h handover) bool { return h.owner == rl })
 		if !handed {

@@ -7,6 +7,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/proxyd/proxyd/agent"
@@ -64,10 +65,43 @@ func logLevel(s string) slog.Level {
 // SOCKS5, the method greeting. It reaches no destination, so probing costs
 // the provider's pool nothing but a connection. Its bound is ctx's deadline,
 // which the pool sets (pool.Config.ProbeTimeout), or ctx's cancellation.
-type tcpProber struct{}
+// It dials from the source_address of the first listener (in the file's
+// order) that dials the upstream, as that listener's connections do: an
+// upstream that admits clients by their IP answers the probe as it
+// answers them.
+type tcpProber struct {
+	from atomic.Pointer[[]probeFrom]
+}
 
-func (tcpProber) Probe(ctx context.Context, u *pool.Upstream) pool.Result {
-	var d net.Dialer
+// probeFrom is one listener's upstreams and the address it dials them from.
+type probeFrom struct {
+	slice pool.ListenerSlice
+	addr  net.Addr
+}
+
+// setListeners takes the running listeners, at start and on each reload.
+func (p *tcpProber) setListeners(ls []listenerConfig) {
+	from := make([]probeFrom, len(ls))
+	for i, sl := range listenerSlices(ls) {
+		from[i] = probeFrom{sl, ls[i].LocalAddr()}
+	}
+	p.from.Store(&from)
+}
+
+// localAddr is the address to probe u from; nil: the system's choice.
+func (p *tcpProber) localAddr(u *pool.Upstream) net.Addr {
+	if from := p.from.Load(); from != nil {
+		for i := range *from {
+			if f := &(*from)[i]; f.slice.Covers(u.Service, u.Kind, u.Protocol) {
+				return f.addr
+			}
+		}
+	}
+	return nil
+}
+
+func (p *tcpProber) Probe(ctx context.Context, u *pool.Upstream) pool.Result {
+	d := net.Dialer{LocalAddr: p.localAddr(u)}
 	c, err := d.DialContext(ctx, "tcp", u.Address)
 	if err != nil {
 		if ctx.Err() != nil {
