@@ -273,7 +273,10 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 	out := req.Clone(hc.ctx)
 	out.RequestURI = ""
 	stripHop(out.Header, true)
-	_ = upc.SetDeadline(time.Now().Add(l.cfg.HandshakeTimeout))
+	// The tunnel is open, so the upstream did its part: the origin's answer
+	// is a plain request's answer head, bounded by response_timeout, and
+	// its absence or garbage is the destination's.
+	_ = upc.SetDeadline(time.Now().Add(l.cfg.ResponseTimeout))
 	stop := context.AfterFunc(w.ctx, func() { _ = upc.SetDeadline(time.Unix(1, 0)) })
 	var resp *http.Response
 	br := bufio.NewReader(upc)
@@ -295,7 +298,10 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 		return false
 	}
 	if err != nil {
-		fail2(OutcomeUpstreamError)
+		fail2(OutcomeDestinationError)
+		if isTimeout(err) {
+			return hc.answerError(req, body, http.StatusGatewayTimeout, textTimeout)
+		}
 		return hc.answerError(req, body, http.StatusBadGateway, textBadGateway)
 	}
 	_ = upc.SetDeadline(time.Time{})

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"testing"
 	"time"
 
@@ -419,5 +420,55 @@ func TestSlowAnswerShortIdleTimeout(t *testing.T) {
 	_, _ = io.WriteString(c, "GET http://example.test/slow HTTP/1.1\r\nHost: example.test\r\n\r\n")
 	if resp, body := readAnswer(t, br, http.MethodGet); resp.StatusCode != http.StatusOK || len(body) != 30 {
 		t.Errorf("got %d with %d of 30 bytes", resp.StatusCode, len(body))
+	}
+}
+
+// Once an upgrade's tunnel is open the upstream has done its part: an
+// origin that never answers the upgrade gets 504 after response_timeout
+// (not handshake_timeout), one that answers garbage 502, both counted as the
+// destination's, and the upstream's one report is its success.
+func TestUpgradeOriginFailsIsTheDestinations(t *testing.T) {
+	checkLeaks(t)
+	for _, tc := range []struct {
+		name   string
+		answer string // what the origin writes after reading the upgrade; "" for nothing
+		status int
+	}{{"silent origin", "", http.StatusGatewayTimeout}, {"garbage", "SSH-2.0-nothing-like-http\r\n\r\n", http.StatusBadGateway}} {
+		t.Run(tc.name, func(t *testing.T) {
+			origin := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+				br := bufio.NewReader(c)
+				if _, err := http.ReadRequest(br); err != nil {
+					return
+				}
+				_, _ = io.WriteString(c, tc.answer)
+				_, _ = io.Copy(io.Discard, br)
+			})
+			u := newHTTPUpstream(t, "", "", nil)
+			p := newFakePool(u.upstream(1))
+			const respTimeout = 300 * time.Millisecond
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.AllowDestinations = loopbackAllowed
+				c.HandshakeTimeout = 30 * time.Second
+				c.ResponseTimeout = respTimeout
+			}), p)
+			start := time.Now()
+			c := askUpgrade(t, tl.addr, origin)
+			resp, _ := readAnswer(t, bufio.NewReader(c), http.MethodGet)
+			if resp.StatusCode != tc.status {
+				t.Errorf("status %d, want %d", resp.StatusCode, tc.status)
+			}
+			if took := time.Since(start); took > 10*respTimeout {
+				t.Errorf("answered after %s; response_timeout is %s", took, respTimeout)
+			}
+			_ = c.Close()
+			waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+			if o := tl.obs.Closeds()[0].o; o != OutcomeDestinationError {
+				t.Errorf("outcome %s, want %s", o, OutcomeDestinationError)
+			}
+			p.waitBalanced(t)
+			if r, want := p.Reports(), []report{{u.upstream(1).ID(), pool.Success}}; !slices.Equal(r, want) {
+				t.Errorf("reports %+v, want %+v", r, want)
+			}
+		})
 	}
 }
