@@ -89,6 +89,11 @@ type happened struct {
 	status int    // wProxyAnswer: the upstream's HTTP status
 	squid  string // wProxyAnswer: its X-Squid-Error, if any
 	reply  byte   // wSOCKSReply: the SOCKS5 reply code
+	// unanswered (wNoAnswer, wBudget): a tunnel's upstream took the
+	// request, which it answers only once it reached the destination, and
+	// the answer had not come when handshake_timeout or the budget ended
+	// the attempt. Whose fault that is, run decides by comparison.
+	unanswered bool
 }
 
 // squidDestinationErrors are the X-Squid-Error values that say the
@@ -189,7 +194,7 @@ func answerFor(h happened, r pool.Result) answer {
 		case squidCode(h.squid) == "ERR_CONNECT_FAIL":
 			a.reply = socks5.ReplyConnectionRefused
 		}
-		if timeout {
+		if timeout || h.unanswered {
 			a.status, a.text = http.StatusGatewayTimeout, textTimeout
 			if h.what != wSOCKSReply {
 				a.reply = socks5.ReplyTTLExpired
@@ -336,6 +341,12 @@ type loop struct {
 	inflight []*try
 	expired  bool // a plain request's response_timeout ran out
 	hedge    *try // the hedge, once sent
+
+	// pending are the attempts whose upstream took the request and did not
+	// answer it within handshake_timeout (happened.unanswered), not yet
+	// reported: the upstream's silence, or the destination's? The next
+	// attempt tells (judge).
+	pending []*try
 }
 
 // run gets j through an upstream. On success the winner's upstream is not
@@ -349,6 +360,9 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 		defer stop()
 	}
 	lp := &loop{l: l, j: j, base: ctx, req: pool.Request{Listener: l.cfg.Name, Key: j.key}}
+	// An upstream silent on the request that no later attempt showed to be
+	// the destination's silence is blamed, as handshake_timeout says.
+	defer lp.judge(pool.HandshakeTimeout)
 	start := time.Now()
 	a = answerNoUpstream
 	var attempts int
@@ -388,6 +402,9 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			lp.hedge = nil
 		}
 		if w := lp.winner; w != nil {
+			// The destination answered through another upstream at
+			// once: those that did not were silent.
+			lp.judge(pool.HandshakeTimeout)
 			l.pool.Report(w.up, pool.Success, w.res.took)
 			if w.res.dialed {
 				l.obs.Dialed(w.up.Protocol, w.res.took)
@@ -409,6 +426,14 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 				again = false // the destination failed, or the client left: no other upstream helps
 			}
 			lp.req.Avoid = append(lp.req.Avoid, f.up.ID())
+		}
+		if t.res.h.unanswered && lp.pendingBefore(t) {
+			// A second upstream took the request and did not answer it in
+			// time either (handshake_timeout, or the budget cut it): the
+			// destination is the slow one, not they. None is blamed, and
+			// no third is tried.
+			decisive = lp.judge(pool.DestinationError)
+			again = false
 		}
 		a = answerFor(decisive.res.h, decisive.result)
 		if !again || attempts > l.cfg.Retries || j.sends.Load() >= maxSends || time.Since(start) >= l.cfg.RetryTimeout ||
@@ -577,9 +602,42 @@ func (lp *loop) settle(t *try) {
 		return
 	}
 	t.cancel(nil)
-	l.log.Debug("upstream attempt failed", "upstream", t.up.ID(), "result", t.result.String(), "hedge", t.hedge, "err", r.err)
-	l.pool.Report(t.up, t.result, r.took)
-	l.pool.Release(t.up)
+	if r.h.what == wNoAnswer && r.h.unanswered {
+		lp.mu.Lock()
+		lp.pending = append(lp.pending, t) // reported by judge
+		lp.mu.Unlock()
+		return
+	}
+	lp.report(t)
+}
+
+// pendingBefore reports whether an attempt before t is pending.
+func (lp *loop) pendingBefore(t *try) bool {
+	lp.mu.Lock()
+	defer lp.mu.Unlock()
+	return len(lp.pending) > 0 && lp.pending[0] != t
+}
+
+// report reports a failed attempt to the pool and releases its upstream.
+func (lp *loop) report(t *try) {
+	lp.l.log.Debug("upstream attempt failed", "upstream", t.up.ID(), "result", t.result.String(), "hedge", t.hedge, "err", t.res.err)
+	lp.l.pool.Report(t.up, t.result, t.res.took)
+	lp.l.pool.Release(t.up)
+}
+
+// judge reports the pending attempts with result r, and returns the last
+// of them (nil when none was pending).
+func (lp *loop) judge(r pool.Result) (last *try) {
+	lp.mu.Lock()
+	pending := lp.pending
+	lp.pending = nil
+	lp.mu.Unlock()
+	for _, t := range pending {
+		t.result = r
+		lp.report(t)
+		last = t
+	}
+	return last
 }
 
 // gatewayAnswer reports whether an answer head through an HTTP upstream is

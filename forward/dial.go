@@ -224,8 +224,11 @@ func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.A
 	}
 	if derr == nil || isTimeout(derr.err) && cutByBudget(ctx, start, d.handshakeTimeout) {
 		// The budget ran out before handshake_timeout did (or just as the
-		// answer came).
+		// answer came); whether the request was awaiting its answer stays
+		// known (run compares it with an earlier attempt's silence).
+		unanswered := derr != nil && derr.h.unanswered
 		derr = failed(wBudget, errAttemptTimeout)
+		derr.h.unanswered = unanswered
 	}
 	return nil, derr, pipeErr
 }
@@ -251,6 +254,8 @@ func socksHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr, pipeline boo
 		return nil, failed(wSOCKSAuth, err)
 	case errors.Is(err, socks5.ErrBadAddress):
 		return nil, failed(wSOCKSAddress, err)
+	case isTimeout(err) && errors.Is(err, socks5.ErrAwaitingReply):
+		return nil, unanswered(fmt.Errorf("socks5 handshake: %w", err))
 	}
 	// Malformed, closed early, timed out, reset: no usable answer in time.
 	return nil, failed(wNoAnswer, fmt.Errorf("socks5 handshake: %w", err))
@@ -287,12 +292,24 @@ func connectHandshake(c net.Conn, u *pool.Upstream, dest socks5.Addr) (net.Conn,
 	br := bufio.NewReaderSize(c, 1024)
 	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
 	if err != nil {
-		return nil, failed(wNoAnswer, fmt.Errorf("reading CONNECT answer: %w", err))
+		err = fmt.Errorf("reading CONNECT answer: %w", err)
+		if isTimeout(err) {
+			return nil, unanswered(err)
+		}
+		return nil, failed(wNoAnswer, err)
 	}
 	if s := resp.StatusCode; s < 200 || s > 299 {
 		return nil, proxyAnswer(resp) // keeps nothing that reads br
 	}
 	return withPrefix(c, br), nil
+}
+
+// unanswered is a handshake that timed out awaiting the answer to its
+// request, which the upstream took: an HTTP upstream answers CONNECT, and
+// a SOCKS5 upstream (having answered the greeting) the request, only once
+// it reached the destination, so the silence may be the destination's.
+func unanswered(err error) *attemptError {
+	return &attemptError{h: happened{what: wNoAnswer, unanswered: true}, err: err}
 }
 
 // proxyAnswer is an upstream's own answer that refused a request.

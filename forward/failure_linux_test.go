@@ -2,11 +2,16 @@ package forward
 
 import (
 	"fmt"
+	"io"
 	"net"
+	"net/http"
+	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/proxyd/proxyd/forward/socks5"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -61,5 +66,92 @@ func TestDialTimeout(t *testing.T) {
 	p.waitBalanced(t)
 	if r := p.Reports(); len(r) != 2 || r[0].res != pool.DialTimeout || r[1].res != pool.Success {
 		t.Errorf("reports %+v", r)
+	}
+}
+
+// A destination that never answers the upstream's TCP connect (its SYNs
+// are dropped) keeps an HTTP upstream from answering CONNECT, and a SOCKS5
+// upstream (which answered the greeting) from replying, until their own
+// connect timeouts, past proxyd's handshake_timeout. When the next
+// upstream tried is as silent on the same request (at handshake_timeout,
+// or cut by the budget), the destination is the slow one: no upstream is
+// blamed, no third is tried, and the client gets a timeout counted as the
+// destination's. (One upstream silent while the next answers is blamed:
+// TestFailover; one silent with no other tried, too:
+// TestRetryBudgetCutIsNoVerdict.)
+func TestUnreachableDestinationBlamesNoUpstream(t *testing.T) {
+	checkLeaks(t)
+	dest := blackholeAddr(t)
+	for _, tc := range []struct {
+		name             string
+		proto            pool.Protocol
+		handshake, retry time.Duration
+		second           pool.Result // the second attempt's report
+	}{
+		{"http, both at handshake_timeout", pool.HTTP, 300 * time.Millisecond, 5 * time.Second, pool.DestinationError},
+		{"socks5, both at handshake_timeout", pool.SOCKS5, 300 * time.Millisecond, 5 * time.Second, pool.DestinationError},
+		{"http, the second cut by the budget", pool.HTTP, 400 * time.Millisecond, 600 * time.Millisecond, pool.Canceled},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var ups []*pool.Upstream
+			var third interface{ Load() int64 }
+			for i := 1; i <= 3; i++ {
+				if tc.proto == pool.SOCKS5 {
+					s := newSOCKSUpstream(t, "u", "p", nil)
+					ups = append(ups, s.upstream(i))
+					third = &s.accepted
+				} else {
+					h := newHTTPUpstream(t, "", "", nil)
+					ups = append(ups, h.upstream(i))
+					third = &h.accepted
+				}
+			}
+			p := newFakePool(ups...)
+			client := "http"
+			if tc.proto == pool.SOCKS5 {
+				client = "socks5"
+			}
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.Protocol = client
+				c.AllowDestinations = loopbackAllowed
+				c.HandshakeTimeout = tc.handshake
+				c.RetryTimeout = tc.retry
+				c.Retries = 2
+			}), p)
+			start := time.Now()
+			c, br := askTunnel(t, client, tl.addr, dest)
+			if client == "http" {
+				resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
+				if err != nil || resp.StatusCode != http.StatusGatewayTimeout {
+					t.Errorf("CONNECT: %v %v, want 504", resp, err)
+				}
+			} else {
+				var reply [2]byte
+				if _, err := io.ReadFull(br, reply[:]); err != nil || reply[1] != 0 {
+					t.Fatalf("method selection %v %v", reply, err)
+				}
+				if _, err := io.ReadFull(br, reply[:]); err != nil || reply[1] != socks5.ReplyTTLExpired {
+					t.Errorf("reply %#x, %v; want %#x", reply[1], err, socks5.ReplyTTLExpired)
+				}
+			}
+			if took := time.Since(start); took > 2*tc.handshake+time.Second {
+				t.Errorf("answered after %s", took)
+			}
+			_ = c.Close()
+			p.waitBalanced(t)
+			want := []report{{ups[0].ID(), pool.DestinationError}, {ups[1].ID(), tc.second}}
+			byID := func(a, b report) int { return strings.Compare(a.id, b.id) }
+			slices.SortFunc(want, byID)
+			if r := slices.SortedFunc(slices.Values(p.Reports()), byID); !slices.Equal(r, want) {
+				t.Errorf("reports %+v, want %+v", r, want)
+			}
+			if n := third.Load(); n != 0 {
+				t.Errorf("a third upstream was tried (%d connections)", n)
+			}
+			waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+			if o := tl.obs.Closeds()[0].o; o != OutcomeDestinationError {
+				t.Errorf("outcome %s, want %s", o, OutcomeDestinationError)
+			}
+		})
 	}
 }

@@ -45,7 +45,8 @@ type Client struct {
 // ErrAuthRejected when the upstream selects 0xFF or refuses the credentials;
 // ErrMalformed (wrapping the detail, and io.EOF or io.ErrUnexpectedEOF when
 // the upstream closed early) for answers that are not SOCKS5;
-// ErrPipelineFailed (see Client.Pipeline); ErrBadAddress
+// ErrAwaitingReply wrapping any failure to read the reply once the
+// greeting was answered; ErrPipelineFailed (see Client.Pipeline); ErrBadAddress
 // and ErrBadCredentials for arguments that cannot be sent (nothing is
 // written then); otherwise the network error, wrapped (a timeout satisfies
 // errors.Is(err, os.ErrDeadlineExceeded)).
@@ -136,7 +137,7 @@ func (c Client) Handshake(rw io.ReadWriter, dest Addr, user, pass string) (bound
 
 	// Reply: VER REP RSV ATYP BND.ADDR BND.PORT.
 	if err := readFull(rw, buf[:4], "reply"); err != nil {
-		return Addr{}, err
+		return Addr{}, fmt.Errorf("%w: %w", ErrAwaitingReply, err)
 	}
 	if buf[0] != VersionSOCKS5 {
 		return Addr{}, malformed(fmt.Sprintf("reply version 0x%02x", buf[0]), nil)

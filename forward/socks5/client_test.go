@@ -281,6 +281,26 @@ func TestClientHandshakeTimeout(t *testing.T) {
 	if errors.Is(err, ErrMalformed) {
 		t.Fatalf("a timeout must not be ErrMalformed: %v", err)
 	}
+	if errors.Is(err, ErrAwaitingReply) {
+		t.Fatalf("a greeting never answered is not ErrAwaitingReply: %v", err)
+	}
+}
+
+// A server that answers the greeting and then not the request: the
+// timeout says that the reply was awaited (the server is there).
+func TestClientHandshakeTimeoutAwaitingReply(t *testing.T) {
+	client, server := loopbackPair(t)
+	go func() {
+		var greeting [3]byte
+		if _, err := io.ReadFull(server, greeting[:]); err == nil {
+			_, _ = server.Write(okMethod)
+		}
+	}()
+	client.SetDeadline(timeNowPlus(200))
+	_, err := ClientHandshake(client, exampleDst, "", "")
+	if !errors.Is(err, os.ErrDeadlineExceeded) || !errors.Is(err, ErrAwaitingReply) {
+		t.Fatalf("err = %v, want a deadline error awaiting the reply", err)
+	}
 }
 
 func TestClientHandshakeBadArguments(t *testing.T) {

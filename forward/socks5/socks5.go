@@ -108,6 +108,13 @@ var (
 	// ErrBadCredentials: a username or password given to ClientHandshake is
 	// longer than 255 bytes.
 	ErrBadCredentials = errors.New("socks5: username or password longer than 255 bytes")
+	// ErrAwaitingReply: the upstream answered the greeting (and the
+	// credentials), so it is there, but reading its reply to the request
+	// failed: a server answers the request only once it reached the
+	// destination, so a reply that does not come in time may be the
+	// destination's slowness. The returned error wraps it together with
+	// the cause (the network error, ErrMalformed).
+	ErrAwaitingReply = errors.New("socks5: no reply to the request")
 )
 
 // Addr is a SOCKS5 address: an IP literal or a domain name, and a port.
