@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -97,6 +96,36 @@ func defaultListeners() []listenerConfig {
 	return []listenerConfig{h, s}
 }
 
+// listenerKey names key of the listener called name as the file writes
+// it (listener[0].address), for errors found after the file was read.
+func listenerKey(ls []listenerConfig, name, key string) string {
+	for i := range ls {
+		if ls[i].Name == name {
+			return fmt.Sprintf("listener[%d].%s", i, key)
+		}
+	}
+	return "listener " + name + " " + key
+}
+
+// listenerHas reports whether the file's listener i (an element of
+// [[listener]]) has key: a key written empty is not an absent one.
+func listenerHas(tree map[string]any, i int, key string) bool {
+	var elem any
+	switch ls := tree["listener"].(type) {
+	case []map[string]any:
+		if i < len(ls) {
+			elem = ls[i]
+		}
+	case []any:
+		if i < len(ls) {
+			elem = ls[i]
+		}
+	}
+	m, _ := elem.(map[string]any)
+	_, ok := m[key]
+	return ok
+}
+
 // configErrors is every problem of a config file.
 type configErrors []keyError
 
@@ -138,8 +167,9 @@ func parseConfig(text string) (config, error) {
 		d.fail("listener", "no listener: remove the key for the two default listeners, or add a [[listener]]")
 	}
 	for i := range cfg.Listener {
-		l := &cfg.Listener[i]
-		l.Upstream = cmp.Or(l.Upstream, l.Protocol) // a listener dials its own protocol unless told
+		if !listenerHas(tree, i, "upstream") {
+			cfg.Listener[i].Upstream = cfg.Listener[i].Protocol // a listener dials its own protocol unless told
+		}
 	}
 	errs := configErrors(d.errs)
 	// A key that could not be decoded holds its default; saying it is
@@ -258,7 +288,7 @@ func (c *config) validateListeners() configErrors {
 			names[l.Name] = i
 		}
 		switch l.Upstream {
-		case "http", "socks5", "":
+		case "http", "socks5":
 		default:
 			fail(p+".upstream", "must be http or socks5, got %q", l.Upstream)
 		}

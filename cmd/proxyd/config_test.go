@@ -61,6 +61,7 @@ func TestConfigFiles(t *testing.T) {
 			"listener[0].dial_timeout: must be positive, got 0s",
 			"listener[0].response_timeout: must be positive, got 0s",
 			"listener[0].max_connections: must be positive, got 0",
+			`listener[0].upstream: must be http or socks5, got ""`,
 		},
 		"zeros_kept.toml": nil,
 		"admin_on_listener.toml": {

@@ -291,7 +291,7 @@ func (d *daemon) startListener(lc listenerConfig, acc *acceptor, prev *runningLi
 	if acc == nil {
 		ln, err := forward.Listen(context.Background(), lc.Address)
 		if err != nil {
-			return fmt.Errorf("listener %s: %w", lc.Name, err)
+			return fmt.Errorf("%s: %w", listenerKey(d.cfg.Listener, lc.Name, "address"), err)
 		}
 		acc = newAcceptor(ln, d.log.With("listener", lc.Name))
 	}

@@ -553,6 +553,37 @@ func TestDaemonUnservedSessionRotated(t *testing.T) {
 	}
 }
 
+// A listener address that cannot be bound stops the start, and the error
+// names the key as the file writes it.
+func TestDaemonStartNamesTheBusyAddress(t *testing.T) {
+	w := newWorld(t)
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	cfg := demoConfig(w, "127.0.0.1:0", busy.Addr().String(), "127.0.0.1:0", t.TempDir())
+	quietPolls(&cfg)
+	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
+	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- d.Run(context.Background()) }()
+	select {
+	case err := <-done:
+		key := "listener[1].address: listen tcp " + busy.Addr().String()
+		if err == nil || !strings.HasPrefix(err.Error(), key) {
+			t.Errorf("Run: %v, want an error that starts with %q", err, key)
+		}
+	case <-time.After(10 * time.Second):
+		d.Close()
+		<-done
+		t.Fatal("the daemon runs with its SOCKS5 address taken")
+	}
+}
+
 func TestDaemonQuotaMovesTrafficElsewhere(t *testing.T) {
 	w := newWorld(t)
 	e := startDaemon(t, w, t.TempDir(), nil)

@@ -193,7 +193,7 @@ func (d *daemon) prepare(old, next config, plan reloadPlan, running map[string]*
 		for _, lc := range bind {
 			ln, err := forward.Listen(context.Background(), lc.Address)
 			if err != nil {
-				return nil, fmt.Errorf("listener %s: %w", lc.Name, err)
+				return nil, fmt.Errorf("%s: %w", listenerKey(next.Listener, lc.Name, "address"), err)
 			}
 			p.sockets[lc.Name] = ln
 		}

@@ -167,8 +167,9 @@ func TestReloadRefusedListenerChangesNothing(t *testing.T) {
 	extra := defaultListener()
 	extra.Name, extra.Protocol, extra.Upstream, extra.Address = "extra", "http", "http", busy.Addr().String()
 	next.Listener = append(next.Listener, extra)
-	if err := e.d.Reload(next); err == nil || !strings.Contains(err.Error(), "listener extra") {
-		t.Fatalf("reload onto a taken port: %v", err)
+	key := fmt.Sprintf("listener[%d].address: listen tcp %s", len(next.Listener)-1, extra.Address)
+	if err := e.d.Reload(next); err == nil || !strings.HasPrefix(err.Error(), key) {
+		t.Fatalf("reload onto a taken port: %v, want it to start with %q", err, key)
 	}
 	if got := e.d.pool.Config().Strategy; got != pool.RoundRobin {
 		t.Errorf("pool strategy after a refused reload: %q", got)
