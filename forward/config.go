@@ -107,8 +107,9 @@ type Config struct {
 	HandshakeTimeout time.Duration `toml:"handshake_timeout"`
 	// IdleTimeout ends a tunnel with no traffic either way, a kept-alive
 	// client connection between requests, a client that stalls while
-	// sending a request body, and one that stops reading its answer. 0 is
-	// refused.
+	// sending a request body, one that stops reading its answer, and an
+	// answer whose body stalls (no byte from the upstream for that long).
+	// 0 is refused.
 	IdleTimeout time.Duration `toml:"idle_timeout"`
 	// Retries is how many more upstreams are tried after one failed before
 	// any byte reached the client. 0: no retry. Negative is refused.

@@ -29,7 +29,7 @@ const (
 // initHTTP sets up what the HTTP listener's plain requests go through.
 func (l *Listener) initHTTP() {
 	l.transports = newTransportCache(l)
-	l.plain = newPlainConns(l.dialer, l.spawn)
+	l.plain = newPlainConns(l.dialer, l.spawn, l.cfg.IdleTimeout)
 }
 
 // refusal is the answer to a destination that failed destPolicy.check or

@@ -64,12 +64,16 @@ type plainConns struct {
 	// Idle connections kept, per key and in all, and for how long.
 	maxIdlePerKey, maxIdle int
 	idleTimeout            time.Duration
+	// bodySilence (idle_timeout) is the longest an answer's body may go
+	// without a byte; 0: unbounded.
+	bodySilence time.Duration
 }
 
-func newPlainConns(d *dialer, spawn func(func()) bool) *plainConns {
+func newPlainConns(d *dialer, spawn func(func()) bool, bodySilence time.Duration) *plainConns {
 	return &plainConns{
 		d: d, spawn: spawn, idle: make(map[string][]*plainConn),
 		maxIdlePerKey: plainIdlePerKey, maxIdle: plainIdleTotal, idleTimeout: plainIdleTimeout,
+		bodySilence: bodySilence,
 	}
 }
 
@@ -149,7 +153,7 @@ func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, d
 	if sc, ok := c.(syscall.Conn); ok {
 		pc.rc, _ = sc.SyscallConn()
 	}
-	pc.head = &headLimit{r: c, rc: pc.rc, n: -1}
+	pc.head = &headLimit{r: c, rc: pc.rc, n: -1, silence: pcs.bodySilence}
 	pc.br = bufio.NewReaderSize(pc.head, 4<<10)
 	pc.bw = bufio.NewWriterSize(c, 4<<10)
 	return pc, nil
@@ -318,7 +322,7 @@ func (pc *plainConn) roundTrip(ctx context.Context, req *http.Request, proxyForm
 	if err != nil {
 		return fail(err)
 	}
-	pc.head.n = -1
+	pc.head.n, pc.head.ctx = -1, ctx
 	resp.Body = &plainBody{rc: resp.Body, pc: pc, stop: stop, wrote: wrote, keep: !resp.Close, eof: resp.Body == http.NoBody}
 	return resp, nil
 }
@@ -385,9 +389,10 @@ func (b *plainBody) Read(p []byte) (int, error) {
 
 func (b *plainBody) Close() error {
 	b.once.Do(func() {
-		b.pc.head.idle = nil
+		b.pc.head.idle, b.pc.head.ctx = nil, nil
 		if b.eof && b.keep && b.written() && b.stop() {
 			_ = b.rc.Close()
+			_ = b.pc.conn.SetReadDeadline(time.Time{}) // the body's, if it had to wait
 			b.pc.pcs.put(b.pc)
 			return
 		}
@@ -421,25 +426,36 @@ func (b *plainBody) written() bool {
 }
 
 // headLimit bounds what an answer's head may take (n >= 0), or reads a
-// body freely (n < 0). Reading a body, it calls idle before it waits for
-// the upstream: the client gets what it was sent so far instead of having
-// it sit in a buffer (streamed answers, long polls).
+// body (n < 0) with no byte limit. Reading a body, it calls idle before it
+// waits for the upstream: the client gets what it was sent so far instead
+// of having it sit in a buffer (streamed answers, long polls); and it
+// waits at most silence (idle_timeout) for the next byte, as an idle
+// tunnel does, unless ctx (the request's) ended.
 type headLimit struct {
-	r    net.Conn
-	rc   syscall.RawConn // r's socket, nil without one
-	n    int64
-	idle func()
+	r       net.Conn
+	rc      syscall.RawConn // r's socket, nil without one
+	n       int64
+	idle    func()
+	silence time.Duration
+	ctx     context.Context // while a body is read
 }
 
 func (h *headLimit) Read(p []byte) (int, error) {
 	if h.n < 0 {
-		if h.idle == nil {
-			return h.r.Read(p)
+		if h.idle != nil {
+			if n, empty, err := tryRead(h.rc, p); !empty {
+				return n, err
+			}
+			h.idle()
 		}
-		if n, empty, err := tryRead(h.rc, p); !empty {
-			return n, err
+		if h.silence > 0 && h.ctx != nil {
+			_ = h.r.SetReadDeadline(time.Now().Add(h.silence))
+			if h.ctx.Err() != nil {
+				// Cancelled meanwhile: the deadline in the past that the
+				// cancellation set must stand.
+				_ = h.r.SetReadDeadline(time.Unix(1, 0))
+			}
 		}
-		h.idle()
 		return h.r.Read(p)
 	}
 	if h.n == 0 {

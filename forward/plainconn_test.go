@@ -647,7 +647,7 @@ func TestPlainIdleTimerCountsFromLastUse(t *testing.T) {
 	const timeout = 400 * time.Millisecond
 	for attempt := 1; ; attempt++ {
 		ok := func() bool {
-			pcs := newPlainConns(nil, nil)
+			pcs := newPlainConns(nil, nil, 0)
 			pcs.idleTimeout = timeout
 			ours, theirs := net.Pipe()
 			defer theirs.Close()
@@ -859,4 +859,52 @@ func getsHeldTogether(t *testing.T, tl *testListener, n int, arrived *sync.WaitG
 			t.Fatal(err)
 		}
 	}
+}
+
+// An answer whose body stalls halfway is bounded by idle_timeout, as an
+// idle tunnel is: the client gets what came and then the end of its
+// connection, and the upstream is released, instead of both waiting for
+// as long as the origin keeps the connection open.
+func TestStalledAnswerBodyEndsAtIdleTimeout(t *testing.T) {
+	checkLeaks(t)
+	stalled := make(chan net.Conn, 1)
+	origin := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		br := bufio.NewReader(c)
+		if _, err := http.ReadRequest(br); err != nil {
+			return
+		}
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhello")
+		stalled <- c
+		_, _ = io.Copy(io.Discard, br) // and nothing more, until the test ends
+	})
+	u := newHTTPUpstream(t, "", "", nil)
+	// The test upstream relays the body as it comes: it waits for the
+	// origin, which holds its connection until the test ends.
+	t.Cleanup(func() {
+		select {
+		case c := <-stalled:
+			_ = c.Close()
+		default:
+		}
+	})
+	p := newFakePool(u.upstream(1))
+	const idle = 400 * time.Millisecond
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.IdleTimeout = idle
+		c.ResponseTimeout = time.Minute
+	}), p)
+	c, br := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET http://"+origin+"/ HTTP/1.1\r\nHost: "+origin+"\r\n\r\n")
+	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodGet})
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("answer: %v %v", resp, err)
+	}
+	start := time.Now()
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	body, err := io.ReadAll(resp.Body)
+	if took := time.Since(start); string(body) != "hello" || err == nil || isTimeout(err) || took > 5*idle {
+		t.Errorf("body %q, %v after %s; want the 5 bytes that came, then the end of the connection within about %s", body, err, took, idle)
+	}
+	p.waitBalanced(t)
 }
