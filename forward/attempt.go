@@ -89,10 +89,11 @@ type happened struct {
 	status int    // wProxyAnswer: the upstream's HTTP status
 	squid  string // wProxyAnswer: its X-Squid-Error, if any
 	reply  byte   // wSOCKSReply: the SOCKS5 reply code
-	// unanswered (wNoAnswer, wBudget): a tunnel's upstream took the
-	// request, which it answers only once it reached the destination, and
-	// the answer had not come when handshake_timeout or the budget ended
-	// the attempt. Whose fault that is, run decides by comparison.
+	// unanswered (wNoAnswer, wBudget): the upstream took the request
+	// (CONNECT, or SOCKS5 after answering the greeting), which it answers
+	// only once it reached the destination, and the answer had not come
+	// when handshake_timeout (or the budget, after half of it) ended the
+	// attempt. Whose fault that is, run decides by comparison.
 	unanswered bool
 }
 
@@ -344,9 +345,14 @@ type loop struct {
 
 	// pending are the attempts whose upstream took the request and did not
 	// answer it within handshake_timeout (happened.unanswered), not yet
-	// reported: the upstream's silence, or the destination's? The next
-	// attempt tells (judge).
+	// reported: the upstream's silence, or the destination's? What the
+	// other attempts meet tells (run). silent holds the addresses of every
+	// upstream silent so (the pending ones, and those the budget cut after
+	// a fair wait). Upstreams that stand for a sticky session are left
+	// out (several share a gateway's address, and their failure asks for
+	// a rotation at once).
 	pending []*try
+	silent  map[string]bool
 }
 
 // run gets j through an upstream. On success the winner's upstream is not
@@ -360,12 +366,10 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 		defer stop()
 	}
 	lp := &loop{l: l, j: j, base: ctx, req: pool.Request{Listener: l.cfg.Name, Key: j.key}}
-	// An upstream silent on the request that no later attempt showed to be
-	// the destination's silence is blamed, as handshake_timeout says.
-	defer lp.judge(pool.HandshakeTimeout)
 	start := time.Now()
 	a = answerNoUpstream
 	var attempts int
+	var last *try // the attempt that decided the answer
 	for !lp.over() {
 		up, err := l.pool.Pick(ctx, lp.req)
 		if err != nil || up == nil {
@@ -427,19 +431,23 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			}
 			lp.req.Avoid = append(lp.req.Avoid, f.up.ID())
 		}
-		if t.res.h.unanswered && lp.pendingBefore(t) {
-			// A second upstream took the request and did not answer it in
-			// time either (handshake_timeout, or the budget cut it): the
-			// destination is the slow one, not they. None is blamed, and
-			// no third is tried.
-			decisive = lp.judge(pool.DestinationError)
-			again = false
-		}
+		last = decisive
 		a = answerFor(decisive.res.h, decisive.result)
 		if !again || attempts > l.cfg.Retries || j.sends.Load() >= maxSends || time.Since(start) >= l.cfg.RetryTimeout ||
 			(j.again != nil && !j.again()) {
-			return nil, a, retries
+			break
 		}
+	}
+	// Upstreams that took the request and did not answer it, and that no
+	// winner showed to be silent: when two upstreams were silent on it,
+	// the destination is the slow one and none is blamed; else each is,
+	// as handshake_timeout says.
+	silent := pool.HandshakeTimeout
+	if len(lp.silent) >= 2 {
+		silent = pool.DestinationError
+	}
+	if p := lp.judge(silent); p != nil && last != nil && last.res.h.unanswered {
+		a = answerFor(p.res.h, p.result)
 	}
 	switch {
 	case attempts == 0 && errors.Is(context.Cause(ctx), errAttemptTimeout):
@@ -602,20 +610,22 @@ func (lp *loop) settle(t *try) {
 		return
 	}
 	t.cancel(nil)
-	if r.h.what == wNoAnswer && r.h.unanswered {
+	if r.h.unanswered && t.up.Session == "" {
 		lp.mu.Lock()
-		lp.pending = append(lp.pending, t) // reported by judge
+		if lp.silent == nil {
+			lp.silent = make(map[string]bool)
+		}
+		lp.silent[t.up.Address] = true
+		pending := r.h.what == wNoAnswer
+		if pending {
+			lp.pending = append(lp.pending, t) // reported by judge
+		}
 		lp.mu.Unlock()
-		return
+		if pending {
+			return
+		}
 	}
 	lp.report(t)
-}
-
-// pendingBefore reports whether an attempt before t is pending.
-func (lp *loop) pendingBefore(t *try) bool {
-	lp.mu.Lock()
-	defer lp.mu.Unlock()
-	return len(lp.pending) > 0 && lp.pending[0] != t
 }
 
 // report reports a failed attempt to the pool and releases its upstream.

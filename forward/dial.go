@@ -224,9 +224,10 @@ func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.A
 	}
 	if derr == nil || isTimeout(derr.err) && cutByBudget(ctx, start, d.handshakeTimeout) {
 		// The budget ran out before handshake_timeout did (or just as the
-		// answer came); whether the request was awaiting its answer stays
-		// known (run compares it with an earlier attempt's silence).
-		unanswered := derr != nil && derr.h.unanswered
+		// answer came). A request that went unanswered for at least half
+		// of handshake_timeout still tells run of a silent destination;
+		// a shorter wait tells nothing.
+		unanswered := derr != nil && derr.h.unanswered && time.Since(start) >= d.handshakeTimeout/2
 		derr = failed(wBudget, errAttemptTimeout)
 		derr.h.unanswered = unanswered
 	}

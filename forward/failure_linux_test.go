@@ -72,38 +72,53 @@ func TestDialTimeout(t *testing.T) {
 // A destination that never answers the upstream's TCP connect (its SYNs
 // are dropped) keeps an HTTP upstream from answering CONNECT, and a SOCKS5
 // upstream (which answered the greeting) from replying, until their own
-// connect timeouts, past proxyd's handshake_timeout. When the next
-// upstream tried is as silent on the same request (at handshake_timeout,
-// or cut by the budget), the destination is the slow one: no upstream is
-// blamed, no third is tried, and the client gets a timeout counted as the
-// destination's. (One upstream silent while the next answers is blamed:
-// TestFailover; one silent with no other tried, too:
-// TestRetryBudgetCutIsNoVerdict.)
+// connect timeouts, past proxyd's handshake_timeout. When two upstreams
+// were silent on the request (at handshake_timeout, or cut by the budget
+// after half of it) and none answered it, the destination is the slow
+// one: no upstream is blamed, and the client gets a timeout counted as the
+// destination's. An upstream silent while a later one answers is blamed,
+// and so is a lone silent one (a budget cut after a shorter wait tells
+// nothing).
 func TestUnreachableDestinationBlamesNoUpstream(t *testing.T) {
 	checkLeaks(t)
-	dest := blackholeAddr(t)
+	black := blackholeAddr(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 	for _, tc := range []struct {
 		name             string
 		proto            pool.Protocol
+		hung             int // the first upstreams hang (take the request and never answer)
+		dest             string
 		handshake, retry time.Duration
-		second           pool.Result // the second attempt's report
+		want             []pool.Result // per upstream, in order; the rest are not tried
+		status           int           // for an HTTP client; a SOCKS5 client gets 0x06 for 504
+		outcome          Outcome
 	}{
-		{"http, both at handshake_timeout", pool.HTTP, 300 * time.Millisecond, 5 * time.Second, pool.DestinationError},
-		{"socks5, both at handshake_timeout", pool.SOCKS5, 300 * time.Millisecond, 5 * time.Second, pool.DestinationError},
-		{"http, the second cut by the budget", pool.HTTP, 400 * time.Millisecond, 600 * time.Millisecond, pool.Canceled},
+		{"http, three silent", pool.HTTP, 0, black, 300 * time.Millisecond, 5 * time.Second,
+			[]pool.Result{pool.DestinationError, pool.DestinationError, pool.DestinationError}, 504, OutcomeDestinationError},
+		{"socks5, three silent", pool.SOCKS5, 0, black, 300 * time.Millisecond, 5 * time.Second,
+			[]pool.Result{pool.DestinationError, pool.DestinationError, pool.DestinationError}, 504, OutcomeDestinationError},
+		{"http, the second cut by the budget", pool.HTTP, 0, black, 400 * time.Millisecond, 750 * time.Millisecond,
+			[]pool.Result{pool.DestinationError, pool.Canceled}, 504, OutcomeDestinationError},
+		{"http, the second cut at once", pool.HTTP, 0, black, 400 * time.Millisecond, 430 * time.Millisecond,
+			[]pool.Result{pool.HandshakeTimeout, pool.Canceled}, 502, OutcomeUpstreamError},
+		{"http, two hung then one that answers", pool.HTTP, 2, echo, 300 * time.Millisecond, 5 * time.Second,
+			[]pool.Result{pool.HandshakeTimeout, pool.HandshakeTimeout, pool.Success}, 200, OutcomeOK},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var ups []*pool.Upstream
-			var third interface{ Load() int64 }
+			var accepted []func() int64
 			for i := 1; i <= 3; i++ {
 				if tc.proto == pool.SOCKS5 {
 					s := newSOCKSUpstream(t, "u", "p", nil)
 					ups = append(ups, s.upstream(i))
-					third = &s.accepted
+					accepted = append(accepted, s.accepted.Load)
 				} else {
 					h := newHTTPUpstream(t, "", "", nil)
+					if i <= tc.hung {
+						h.mode.Store(int32(modeHang))
+					}
 					ups = append(ups, h.upstream(i))
-					third = &h.accepted
+					accepted = append(accepted, h.accepted.Load)
 				}
 			}
 			p := newFakePool(ups...)
@@ -119,11 +134,11 @@ func TestUnreachableDestinationBlamesNoUpstream(t *testing.T) {
 				c.Retries = 2
 			}), p)
 			start := time.Now()
-			c, br := askTunnel(t, client, tl.addr, dest)
+			c, br := askTunnel(t, client, tl.addr, tc.dest)
 			if client == "http" {
 				resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
-				if err != nil || resp.StatusCode != http.StatusGatewayTimeout {
-					t.Errorf("CONNECT: %v %v, want 504", resp, err)
+				if err != nil || resp.StatusCode != tc.status {
+					t.Errorf("CONNECT: %v %v, want %d", resp, err, tc.status)
 				}
 			} else {
 				var reply [2]byte
@@ -134,23 +149,28 @@ func TestUnreachableDestinationBlamesNoUpstream(t *testing.T) {
 					t.Errorf("reply %#x, %v; want %#x", reply[1], err, socks5.ReplyTTLExpired)
 				}
 			}
-			if took := time.Since(start); took > 2*tc.handshake+time.Second {
+			if took := time.Since(start); took > tc.retry+time.Second {
 				t.Errorf("answered after %s", took)
 			}
 			_ = c.Close()
 			p.waitBalanced(t)
-			want := []report{{ups[0].ID(), pool.DestinationError}, {ups[1].ID(), tc.second}}
+			var want []report
+			for i, r := range tc.want {
+				want = append(want, report{ups[i].ID(), r})
+			}
 			byID := func(a, b report) int { return strings.Compare(a.id, b.id) }
 			slices.SortFunc(want, byID)
 			if r := slices.SortedFunc(slices.Values(p.Reports()), byID); !slices.Equal(r, want) {
 				t.Errorf("reports %+v, want %+v", r, want)
 			}
-			if n := third.Load(); n != 0 {
-				t.Errorf("a third upstream was tried (%d connections)", n)
+			for i := len(tc.want); i < len(ups); i++ {
+				if n := accepted[i](); n != 0 {
+					t.Errorf("upstream %d was tried (%d connections)", i+1, n)
+				}
 			}
 			waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
-			if o := tl.obs.Closeds()[0].o; o != OutcomeDestinationError {
-				t.Errorf("outcome %s, want %s", o, OutcomeDestinationError)
+			if o := tl.obs.Closeds()[0].o; o != tc.outcome {
+				t.Errorf("outcome %s, want %s", o, tc.outcome)
 			}
 		})
 	}

@@ -725,3 +725,34 @@ func awaitSignal(t *testing.T, ch <-chan struct{}, what string) {
 		t.Fatalf("timed out waiting for %s", what)
 	}
 }
+
+// An upstream that stands for a ppr sticky session is reported at once when
+// it is silent (its failure asks for the session's rotation before the
+// next pick), and is no witness of a silent destination.
+func TestSilentSessionUpstreamReportedAtOnce(t *testing.T) {
+	checkLeaks(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	var ups []*pool.Upstream
+	for i := 1; i <= 2; i++ {
+		h := newHTTPUpstream(t, "", "", nil)
+		h.mode.Store(int32(modeHang))
+		ups = append(ups, h.upstream(i))
+	}
+	ups[0].Kind, ups[0].Server, ups[0].Session = pool.PPR, "gw.example.net", "s1"
+	p := newFakePool(ups...)
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.HandshakeTimeout = 300 * time.Millisecond
+		c.RetryTimeout = 5 * time.Second
+		c.Retries = 1
+	}), p)
+	_, _, resp := rawConnect(t, tl.addr, echo, "")
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Errorf("CONNECT: %d, want 502", resp.StatusCode)
+	}
+	p.waitBalanced(t)
+	want := []report{{ups[0].ID(), pool.HandshakeTimeout}, {ups[1].ID(), pool.HandshakeTimeout}}
+	if r := p.Reports(); !slices.Equal(r, want) {
+		t.Errorf("reports %+v, want %+v in this order", r, want)
+	}
+}

@@ -7,12 +7,13 @@
 // first byte reaches the client and, for plain requests that can be sent
 // again, a hedge through one more upstream when the answer is slow to come; each attempt's outcome is classified (the
 // upstream's fault, the destination's, or nobody's) and reported to the
-// pool, and each connection's to an Observer. A tunnel's upstream answers
-// CONNECT (or the SOCKS5 request) only once it reached the destination, so
-// its silence past handshake_timeout is judged by comparison: blamed when
-// the next upstream answers, or when none is tried after it; not blamed
-// when the next upstream is as silent on the same request (the destination
-// does not answer), and then no third is tried.
+// pool, and each connection's to an Observer. An upstream answers CONNECT
+// (or the SOCKS5 request) only once it reached the destination, so its
+// silence past handshake_timeout is judged by comparison: blamed when a
+// later upstream answers, or when it was the only one silent; not blamed
+// when two upstreams were silent on the request and none answered (the
+// destination does not answer). Upstreams of sticky sessions are blamed
+// at once, as their failure asks for a rotation.
 //
 // Scope: local authentication (users and sticky-session usernames), the
 // client allow-list, the refused destinations (loopback, link-local, private,
