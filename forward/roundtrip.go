@@ -28,6 +28,10 @@ type attemptInfo struct {
 	dialErr  *attemptError
 	dialed   bool
 	dialTook time.Duration
+	// tunneled: an HTTP upstream answered the CONNECT of an "https://"
+	// request: what fails after it (the destination's TLS handshake, its
+	// answer) went through a tunnel to the destination.
+	tunneled bool
 }
 
 // errSendsUsed: the request went out as often as it may (maxSends).
@@ -106,10 +110,10 @@ func recordDial(ctx context.Context, derr *attemptError, took time.Duration) {
 	info.dialTook = took
 }
 
-func (i *attemptInfo) get() (*attemptError, bool, time.Duration) {
+func (i *attemptInfo) get() (*attemptError, bool, time.Duration, bool) {
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	return i.dialErr, i.dialed, i.dialTook
+	return i.dialErr, i.dialed, i.dialTook, i.tunneled
 }
 
 // maxTransports bounds the per-upstream transports kept with idle connections.
@@ -200,6 +204,11 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 		}
 		tr.OnProxyConnectResponse = func(ctx context.Context, _ *url.URL, _ *http.Request, resp *http.Response) error {
 			if s := resp.StatusCode; s >= 200 && s < 300 {
+				if info, _ := ctx.Value(attemptKey).(*attemptInfo); info != nil {
+					info.mu.Lock()
+					info.tunneled = true
+					info.mu.Unlock()
+				}
 				return nil
 			}
 			aerr := proxyAnswer(resp)
@@ -434,7 +443,7 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 	}
 	r := tryResult{took: time.Since(t0), err: err}
 	sent := false // the request may have reached the destination
-	aerr, dialed, dialTook := info.get()
+	aerr, dialed, dialTook, tunneled := info.get()
 	if dialed {
 		r.took, r.dialed = dialTook, true
 	}
@@ -464,10 +473,11 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 		// The upstream carried the connection; the destination's TLS did
 		// not hold (an untrusted or wrong certificate, no TLS at all).
 		r.h.what = wTLS
-	case up.Protocol == pool.SOCKS5:
-		// A SOCKS5 tunnel to the destination carried the request (its
-		// handshake's failures are aerr's): what broke after it was open
-		// is the destination's.
+	case up.Protocol == pool.SOCKS5 || tunneled:
+		// A tunnel to the destination carried the request (a SOCKS5
+		// handshake's failures are aerr's, a refused CONNECT's too): what
+		// broke after it was open, a TLS handshake that timed out
+		// included, is the destination's.
 		r.h.what, sent = wDestinationGone, true
 	default:
 		r.h.what, sent = wNoAnswer, true // no or malformed answer

@@ -54,6 +54,26 @@ func TestHTTPSAbsoluteForm(t *testing.T) {
 			}
 		})
 
+		// A destination that takes the connection and never answers the
+		// TLS handshake: the tunnel to it opened, so its silence is its
+		// own, not the upstream's, whichever kind carried it.
+		t.Run("silent destination", func(t *testing.T) {
+			mute := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) { _, _ = io.Copy(io.Discard, c) })
+			p := newFakePool(up, other)
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.AllowDestinations = loopbackAllowed
+				c.HandshakeTimeout = 300 * time.Millisecond
+			}), p)
+			resp := rawRequest(t, tl.addr, "GET https://"+mute+"/ HTTP/1.1\r\nHost: "+mute+"\r\n\r\n")
+			if resp == nil || resp.StatusCode != http.StatusBadGateway {
+				t.Fatalf("response %+v, want 502", resp)
+			}
+			p.waitBalanced(t)
+			if got := p.Reports(); len(got) != 1 || got[0].res != pool.DestinationError {
+				t.Errorf("reports %v, want one destination_error (no other upstream tried)", got)
+			}
+		})
+
 		roots := x509.NewCertPool()
 		roots.AddCert(origin.Certificate())
 		t.Run("trusted", func(t *testing.T) {
