@@ -145,7 +145,7 @@ func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, d
 		c, derr = pcs.d.dialTCP(ctx, u)
 		took = time.Since(start)
 	}
-	recordDial(ctx, derr, took)
+	recordDial(ctx, derr, took, u.Protocol == pool.SOCKS5)
 	if derr != nil {
 		return nil, derr
 	}

@@ -28,9 +28,10 @@ type attemptInfo struct {
 	dialErr  *attemptError
 	dialed   bool
 	dialTook time.Duration
-	// tunneled: an HTTP upstream answered the CONNECT of an "https://"
-	// request: what fails after it (the destination's TLS handshake, its
-	// answer) went through a tunnel to the destination.
+	// tunneled: the connection dialed is a tunnel to the destination
+	// (through a SOCKS5 upstream, or CONNECT for an "https://" request):
+	// what fails after it (the destination's TLS handshake, its answer)
+	// is the destination's.
 	tunneled bool
 }
 
@@ -95,7 +96,9 @@ func (c *upstreamClock) stop() bool {
 	return !c.fired
 }
 
-func recordDial(ctx context.Context, derr *attemptError, took time.Duration) {
+// recordDial notes in ctx's attemptInfo how dialing went; tunnel says that
+// the connection dialed is a tunnel to the destination.
+func recordDial(ctx context.Context, derr *attemptError, took time.Duration, tunnel bool) {
 	info, _ := ctx.Value(attemptKey).(*attemptInfo)
 	if info == nil {
 		return
@@ -108,6 +111,7 @@ func recordDial(ctx context.Context, derr *attemptError, took time.Duration) {
 	}
 	info.dialed = true
 	info.dialTook = took
+	info.tunneled = tunnel
 }
 
 func (i *attemptInfo) get() (*attemptError, bool, time.Duration, bool) {
@@ -173,47 +177,44 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 		MaxResponseHeaderBytes: 1 << 20,
 		ForceAttemptHTTP2:      false,
 	}
-	switch u.Protocol {
-	case pool.SOCKS5:
-		tr.DialContext = func(ctx context.Context, _, addr string) (net.Conn, error) {
-			host, port, err := splitHostPort(addr, 0)
-			if err != nil {
-				return nil, err
-			}
-			c, took, derr := d.tunnel(ctx, u, socks5.Addr{Host: host, Port: port})
-			recordDial(ctx, derr, took)
-			if derr != nil {
-				return nil, derr
-			}
-			return c, nil
+	// A tunnel to the destination through u, made as a CONNECT or SOCKS5
+	// client's is (dialer.tunnel: handshake_timeout, whose fault a failure
+	// is): for every request through a SOCKS5 upstream, and for "https://"
+	// ones through an HTTP upstream; Transport speaks TLS through it.
+	tunnel := func(ctx context.Context, _, addr string) (net.Conn, error) {
+		host, port, err := splitHostPort(addr, 0)
+		if err != nil {
+			return nil, err
 		}
-	default:
+		c, took, derr := d.tunnel(ctx, u, socks5.Addr{Host: host, Port: port})
+		recordDial(ctx, derr, took, true)
+		if derr != nil {
+			return nil, derr
+		}
+		return c, nil
+	}
+	tr.DialContext = tunnel
+	if u.Protocol != pool.SOCKS5 {
+		// "http://" requests (those with Expect: 100-continue) go to the
+		// upstream in absolute form.
 		pu := &url.URL{Scheme: "http", Host: u.Address}
-		tr.Proxy = func(*http.Request) (*url.URL, error) { return pu, nil }
-		if a := basicAuth(u); a != "" {
-			tr.ProxyConnectHeader = http.Header{"Proxy-Authorization": {a}}
+		tr.Proxy = func(r *http.Request) (*url.URL, error) {
+			if r.URL.Scheme == "https" {
+				return nil, nil // through tunnel
+			}
+			return pu, nil
 		}
-		tr.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
+		tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if addr != u.Address {
+				return tunnel(ctx, network, addr)
+			}
 			start := time.Now()
 			c, derr := d.dialTCP(ctx, u)
-			recordDial(ctx, derr, time.Since(start))
+			recordDial(ctx, derr, time.Since(start), false)
 			if derr != nil {
 				return nil, derr
 			}
 			return c, nil
-		}
-		tr.OnProxyConnectResponse = func(ctx context.Context, _ *url.URL, _ *http.Request, resp *http.Response) error {
-			if s := resp.StatusCode; s >= 200 && s < 300 {
-				if info, _ := ctx.Value(attemptKey).(*attemptInfo); info != nil {
-					info.mu.Lock()
-					info.tunneled = true
-					info.mu.Unlock()
-				}
-				return nil
-			}
-			aerr := proxyAnswer(resp)
-			recordDial(ctx, aerr, 0)
-			return aerr
 		}
 	}
 	return tr
@@ -474,10 +475,9 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 		// not hold (an untrusted or wrong certificate, no TLS at all).
 		r.h.what = wTLS
 	case up.Protocol == pool.SOCKS5 || tunneled:
-		// A tunnel to the destination carried the request (a SOCKS5
-		// handshake's failures are aerr's, a refused CONNECT's too): what
-		// broke after it was open, a TLS handshake that timed out
-		// included, is the destination's.
+		// A tunnel to the destination carried the request (its
+		// handshake's failures are aerr's): what broke after it was open,
+		// a TLS handshake that timed out included, is the destination's.
 		r.h.what, sent = wDestinationGone, true
 	default:
 		r.h.what, sent = wNoAnswer, true // no or malformed answer

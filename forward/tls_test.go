@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -175,5 +176,43 @@ func envProxyChild(t *testing.T) {
 		if resp == nil || resp.StatusCode != 200 {
 			t.Errorf("https:// in absolute form via %s: %+v", up.Protocol, resp)
 		}
+	}
+}
+
+// An HTTP upstream that never answers the CONNECT of an "https://"
+// request is held to handshake_timeout, as a CONNECT client's tunnel is
+// (not to net/http's own minute), blamed, and the next upstream serves.
+func TestHTTPSAbsoluteFormSilentUpstream(t *testing.T) {
+	checkLeaks(t)
+	origin := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, "hello")
+	}))
+	t.Cleanup(origin.Close)
+	roots := x509.NewCertPool()
+	roots.AddCert(origin.Certificate())
+	hung := newHTTPUpstream(t, "", "", nil)
+	hung.mode.Store(int32(modeHang))
+	good := newHTTPUpstream(t, "", "", nil).upstream(2)
+	p := newFakePool(hung.upstream(1), good)
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.RootCAs = roots
+		c.HandshakeTimeout = 300 * time.Millisecond
+		c.HedgeDelay = 0
+	}), p)
+	host := strings.TrimPrefix(origin.URL, "https://")
+	start := time.Now()
+	resp := rawRequest(t, tl.addr, "GET "+origin.URL+"/ HTTP/1.1\r\nHost: "+host+"\r\n\r\n")
+	if resp == nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("response %+v, want 200 through the second upstream", resp)
+	}
+	if took := time.Since(start); took > 3*time.Second {
+		t.Errorf("answered after %s; handshake_timeout is 300ms", took)
+	}
+	_, _ = io.ReadAll(resp.Body)
+	p.waitBalanced(t)
+	want := []report{{hung.upstream(1).ID(), pool.HandshakeTimeout}, {good.ID(), pool.Success}}
+	if r := p.Reports(); !slices.Equal(r, want) {
+		t.Errorf("reports %+v, want %+v", r, want)
 	}
 }
