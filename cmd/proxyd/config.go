@@ -163,7 +163,8 @@ func parseConfig(text string) (config, error) {
 	d.decodeStruct("", tree, reflect.ValueOf(&cfg).Elem())
 	if _, ok := tree["listener"]; !ok {
 		cfg.Listener = defaultListeners()
-	} else if len(cfg.Listener) == 0 {
+	} else if len(cfg.Listener) == 0 && !slices.ContainsFunc(d.errs, func(e keyError) bool { return e.Key == "listener" }) {
+		// (A listener key that is not an array was said so already.)
 		d.fail("listener", "no listener: remove the key for the two default listeners, or add a [[listener]]")
 	}
 	for i := range cfg.Listener {
@@ -304,12 +305,10 @@ func (c *config) validateListeners() configErrors {
 			addrs[l.Address] = i
 		}
 		for j, id := range l.Services {
-			if id <= 0 {
+			switch {
+			case id <= 0:
 				fail(fmt.Sprintf("%s.services[%d]", p, j), "service IDs are positive numbers, got %d", id)
-			}
-		}
-		for _, id := range l.Services {
-			if len(c.API.Services) > 0 && !slices.Contains(c.API.Services, id) {
+			case len(c.API.Services) > 0 && !slices.Contains(c.API.Services, id):
 				fail(p+".services", "service %d is not in api.services", id)
 			}
 		}

@@ -302,6 +302,20 @@ func TestSyntaxErrorHidesSecrets(t *testing.T) {
 	}
 }
 
+// One mistake is one problem, not a second one that follows from it.
+func TestOneMistakeOneProblem(t *testing.T) {
+	for text, want := range map[string]string{
+		"listener = 5\n": "listener: must be an array, got a number",
+		"[api]\nservices = [1]\n[[listener]]\nname = \"h\"\nprotocol = \"http\"\naddress = \"127.0.0.1:8080\"\nservices = [-1]\n": "listener[0].services[0]: service IDs are positive numbers, got -1",
+	} {
+		_, err := parseConfig(text)
+		var errs configErrors
+		if !errors.As(err, &errs) || len(errs) != 1 || errs[0].Error() != want {
+			t.Errorf("%q: %v, want the one problem %q", text, err, want)
+		}
+	}
+}
+
 func TestConfigDefaults(t *testing.T) {
 	cfg, err := parseConfig("[api]\ntoken = \"x\"\n")
 	if err != nil {
