@@ -72,9 +72,10 @@ const (
 	// wLocal: proxyd itself could not open a connection (out of file
 	// descriptors or buffers): nobody else's fault.
 	wLocal
-	// wDestinationGone: a SOCKS5 upstream's tunnel reached the destination,
-	// and the destination closed it, reset it or sent no valid answer head:
-	// the upstream only carried the bytes.
+	// wDestinationGone: a tunnel reached the destination (through a SOCKS5
+	// upstream, or CONNECT for an "https://" request), and the destination
+	// closed it, reset it, failed its TLS handshake in time or sent no
+	// valid answer head: the upstream only carried the bytes.
 	wDestinationGone
 	// wBudget: a tunnel's attempts ran out of retry_timeout while this one
 	// was still within its own bound (dial_timeout, handshake_timeout): the
@@ -353,6 +354,10 @@ type loop struct {
 	// a rotation at once).
 	pending []*try
 	silent  map[string]bool
+	// destFailed: an attempt's upstream reported the destination failed
+	// (CONNECT 502/504, SOCKS5 0x02–0x06, …): a witness as good as a
+	// second silence.
+	destFailed bool
 }
 
 // run gets j through an upstream. On success the winner's upstream is not
@@ -429,6 +434,7 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			case !f.result.UpstreamFault():
 				again = false // the destination failed, or the client left: no other upstream helps
 			}
+			lp.destFailed = lp.destFailed || f.result == pool.DestinationError
 			lp.req.Avoid = append(lp.req.Avoid, f.up.ID())
 		}
 		last = decisive
@@ -439,11 +445,11 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 		}
 	}
 	// Upstreams that took the request and did not answer it, and that no
-	// winner showed to be silent: when two upstreams were silent on it,
-	// the destination is the slow one and none is blamed; else each is,
-	// as handshake_timeout says.
+	// winner showed to be silent: when two upstreams were silent on it, or
+	// another said the destination failed, the destination is the slow one
+	// and none is blamed; else each is, as handshake_timeout says.
 	silent := pool.HandshakeTimeout
-	if len(lp.silent) >= 2 {
+	if len(lp.silent) >= 2 || lp.destFailed {
 		silent = pool.DestinationError
 	}
 	if p := lp.judge(silent); p != nil && last != nil && last.res.h.unanswered {

@@ -756,3 +756,34 @@ func TestSilentSessionUpstreamReportedAtOnce(t *testing.T) {
 		t.Errorf("reports %+v, want %+v in this order", r, want)
 	}
 }
+
+// An upstream silent on a tunnel's request is not blamed when the next
+// upstream says that the destination failed (its CONNECT answer is 502):
+// that is the destination's silence too.
+func TestSilentThenDestinationErrorBlamesNoUpstream(t *testing.T) {
+	checkLeaks(t)
+	echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
+	hung := newHTTPUpstream(t, "", "", nil)
+	hung.mode.Store(int32(modeHang))
+	says502 := newHTTPUpstream(t, "", "", nil)
+	says502.mode.Store(int32(mode502))
+	p := newFakePool(hung.upstream(1), says502.upstream(2))
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.HandshakeTimeout = 300 * time.Millisecond
+		c.RetryTimeout = 5 * time.Second
+	}), p)
+	_, _, resp := rawConnect(t, tl.addr, echo, "")
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Errorf("CONNECT: %d, want 502", resp.StatusCode)
+	}
+	p.waitBalanced(t)
+	want := []report{{says502.upstream(2).ID(), pool.DestinationError}, {hung.upstream(1).ID(), pool.DestinationError}}
+	if r := p.Reports(); !slices.Equal(r, want) {
+		t.Errorf("reports %+v, want %+v", r, want)
+	}
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+	if o := tl.obs.Closeds()[0].o; o != OutcomeDestinationError {
+		t.Errorf("outcome %s, want %s", o, OutcomeDestinationError)
+	}
+}

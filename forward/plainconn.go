@@ -145,7 +145,7 @@ func (pcs *plainConns) dial(ctx context.Context, u *pool.Upstream, key string, d
 		c, derr = pcs.d.dialTCP(ctx, u)
 		took = time.Since(start)
 	}
-	recordDial(ctx, derr, took, u.Protocol == pool.SOCKS5)
+	recordDial(ctx, derr, took)
 	if derr != nil {
 		return nil, derr
 	}
@@ -443,9 +443,13 @@ type headLimit struct {
 func (h *headLimit) Read(p []byte) (int, error) {
 	if h.n < 0 {
 		if h.idle != nil {
-			if n, empty, err := tryRead(h.rc, p); !empty {
+			n, empty, err := tryRead(h.rc, p)
+			stale := isTimeout(err) && h.ctx != nil && h.ctx.Err() == nil
+			if !empty && !stale {
 				return n, err
 			}
+			// Nothing there yet, or the deadline of an earlier wait ran
+			// out since (the upstream stayed ahead): wait afresh.
 			h.idle()
 		}
 		if h.silence > 0 && h.ctx != nil {

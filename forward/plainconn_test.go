@@ -3,6 +3,7 @@ package forward
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -10,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -907,4 +909,40 @@ func TestStalledAnswerBodyEndsAtIdleTimeout(t *testing.T) {
 		t.Errorf("body %q, %v after %s; want the 5 bytes that came, then the end of the connection within about %s", body, err, took, idle)
 	}
 	p.waitBalanced(t)
+}
+
+// The bound on a stalled answer body is on silence, not on the answer's
+// length: after one wait, bytes that were already there when the deadline
+// of that wait passed (the upstream stayed ahead of a slow client) are
+// read, not cut.
+func TestAnswerBodyReadAfterAnOldDeadline(t *testing.T) {
+	up, proxySide := tcpPair(t)
+	var rc syscall.RawConn
+	if sc, ok := proxySide.(syscall.Conn); ok {
+		rc, _ = sc.SyscallConn()
+	}
+	const silence = 200 * time.Millisecond
+	h := &headLimit{r: proxySide, rc: rc, n: -1, idle: func() {}, silence: silence, ctx: context.Background()}
+	go func() {
+		time.Sleep(50 * time.Millisecond) // the pace of the upstream, not a wait for a condition
+		_, _ = up.Write([]byte("a"))
+	}()
+	buf := make([]byte, 64<<10)
+	if n, err := h.Read(buf); err != nil || n != 1 {
+		t.Fatalf("first read: %d, %v", n, err)
+	}
+	// More comes while proxyd is busy with its client, past the deadline
+	// its first wait set.
+	if _, err := up.Write(bytes.Repeat([]byte("b"), 1000)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * silence) // the client's pace, not a wait for a condition
+	if n, err := h.Read(buf); err != nil || n != 1000 {
+		t.Fatalf("read past the old deadline: %d, %v; want the 1000 bytes waiting", n, err)
+	}
+	// And a real silence still ends the read.
+	start := time.Now()
+	if _, err := h.Read(buf); !isTimeout(err) || time.Since(start) > 10*silence {
+		t.Errorf("silent upstream: %v after %s, want a timeout after %s", err, time.Since(start), silence)
+	}
 }

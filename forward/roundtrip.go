@@ -28,11 +28,9 @@ type attemptInfo struct {
 	dialErr  *attemptError
 	dialed   bool
 	dialTook time.Duration
-	// tunneled: the connection dialed is a tunnel to the destination
-	// (through a SOCKS5 upstream, or CONNECT for an "https://" request):
-	// what fails after it (the destination's TLS handshake, its answer)
-	// is the destination's.
-	tunneled bool
+	// https: the request is an "https://" one, which goes through a
+	// tunnel to the destination whatever the upstream's protocol.
+	https bool
 }
 
 // errSendsUsed: the request went out as often as it may (maxSends).
@@ -96,9 +94,8 @@ func (c *upstreamClock) stop() bool {
 	return !c.fired
 }
 
-// recordDial notes in ctx's attemptInfo how dialing went; tunnel says that
-// the connection dialed is a tunnel to the destination.
-func recordDial(ctx context.Context, derr *attemptError, took time.Duration, tunnel bool) {
+// recordDial notes in ctx's attemptInfo how dialing went.
+func recordDial(ctx context.Context, derr *attemptError, took time.Duration) {
 	info, _ := ctx.Value(attemptKey).(*attemptInfo)
 	if info == nil {
 		return
@@ -111,13 +108,12 @@ func recordDial(ctx context.Context, derr *attemptError, took time.Duration, tun
 	}
 	info.dialed = true
 	info.dialTook = took
-	info.tunneled = tunnel
 }
 
-func (i *attemptInfo) get() (*attemptError, bool, time.Duration, bool) {
+func (i *attemptInfo) get() (*attemptError, bool, time.Duration) {
 	i.mu.Lock()
 	defer i.mu.Unlock()
-	return i.dialErr, i.dialed, i.dialTook, i.tunneled
+	return i.dialErr, i.dialed, i.dialTook
 }
 
 // maxTransports bounds the per-upstream transports kept with idle connections.
@@ -187,7 +183,7 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 			return nil, err
 		}
 		c, took, derr := d.tunnel(ctx, u, socks5.Addr{Host: host, Port: port})
-		recordDial(ctx, derr, took, true)
+		recordDial(ctx, derr, took)
 		if derr != nil {
 			return nil, derr
 		}
@@ -205,12 +201,14 @@ func (tc *transportCache) newTransport(u *pool.Upstream) *http.Transport {
 			return pu, nil
 		}
 		tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if addr != u.Address {
+			// A connection to the upstream itself only for an "http://"
+			// request: the dial's context carries its request's values.
+			if info, _ := ctx.Value(attemptKey).(*attemptInfo); info == nil || info.https || addr != u.Address {
 				return tunnel(ctx, network, addr)
 			}
 			start := time.Now()
 			c, derr := d.dialTCP(ctx, u)
-			recordDial(ctx, derr, time.Since(start), false)
+			recordDial(ctx, derr, time.Since(start))
 			if derr != nil {
 				return nil, derr
 			}
@@ -400,7 +398,7 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 
 // plainAttempt sends req through up and waits for the answer's head.
 func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, rb *replayBody, up *pool.Upstream) tryResult {
-	info := &attemptInfo{}
+	info := &attemptInfo{https: req.URL.Scheme == "https"}
 	actx := context.WithValue(ctx, attemptKey, info)
 	out := req.WithContext(actx)
 	if rb != nil {
@@ -444,7 +442,7 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 	}
 	r := tryResult{took: time.Since(t0), err: err}
 	sent := false // the request may have reached the destination
-	aerr, dialed, dialTook, tunneled := info.get()
+	aerr, dialed, dialTook := info.get()
 	if dialed {
 		r.took, r.dialed = dialTook, true
 	}
@@ -474,7 +472,7 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 		// The upstream carried the connection; the destination's TLS did
 		// not hold (an untrusted or wrong certificate, no TLS at all).
 		r.h.what = wTLS
-	case up.Protocol == pool.SOCKS5 || tunneled:
+	case up.Protocol == pool.SOCKS5 || info.https:
 		// A tunnel to the destination carried the request (its
 		// handshake's failures are aerr's): what broke after it was open,
 		// a TLS handshake that timed out included, is the destination's.
