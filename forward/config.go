@@ -108,7 +108,8 @@ type Config struct {
 	// IdleTimeout ends a tunnel with no traffic either way, a kept-alive
 	// client connection between requests, a client that stalls while
 	// sending a request body, one that stops reading its answer, and an
-	// answer whose body stalls (no byte from the upstream for that long).
+	// answer whose body stalls (no byte from the upstream for that long,
+	// on proxyd's own connections and through net/http's Transport alike).
 	// 0 is refused.
 	IdleTimeout time.Duration `toml:"idle_timeout"`
 	// Retries is how many more upstreams are tried after one failed before
@@ -135,7 +136,9 @@ type Config struct {
 	// head, counted from when it was first sent (time spent waiting for the
 	// client's body does not count); then the client gets 504 and no
 	// upstream is blamed, unless its upstream answered nothing at all in
-	// that time while the listener's other upstreams answered. 0 is refused.
+	// that time while the listener's other upstreams answered. It bounds a
+	// WebSocket upgrade's wait for the origin's 101 too (504, nobody
+	// blamed). 0 is refused.
 	ResponseTimeout time.Duration `toml:"response_timeout"`
 
 	// RootCAs are the certificate authorities proxyd trusts where it speaks
@@ -161,9 +164,6 @@ func DefaultConfig() Config {
 	}
 }
 
-// Validate reports every problem with c, each an error whose text starts
-// with the key as the file writes it ("retry_timeout: must be positive,
-// got 0s"), joined with errors.Join; nil when there is none.
 // LocalAddr is the address connections to upstreams are dialed from
 // (SourceAddress), for a net.Dialer; nil when the system chooses.
 func (c Config) LocalAddr() net.Addr {
@@ -173,6 +173,9 @@ func (c Config) LocalAddr() net.Addr {
 	return &net.TCPAddr{IP: c.SourceAddress.AsSlice(), Zone: c.SourceAddress.Zone()}
 }
 
+// Validate reports every problem with c, each an error whose text starts
+// with the key as the file writes it ("retry_timeout: must be positive,
+// got 0s"), joined with errors.Join; nil when there is none.
 func (c Config) Validate() error {
 	var errs []error
 	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }

@@ -9,11 +9,11 @@
 // upstream's fault, the destination's, or nobody's) and reported to the
 // pool, and each connection's to an Observer. An upstream answers CONNECT
 // (or the SOCKS5 request) only once it reached the destination, so its
-// silence past handshake_timeout is judged by comparison: blamed when a
-// later upstream answers, or when it was the only one silent; not blamed
-// when two upstreams were silent on the request and none answered (the
-// destination does not answer). Upstreams of sticky sessions are blamed
-// at once, as their failure asks for a rotation.
+// silence past handshake_timeout is judged by comparison: not blamed when
+// a second upstream was silent on the request too, or one reported that
+// the destination failed, and none answered (the destination does not
+// answer); blamed otherwise. Upstreams of sticky sessions are blamed at
+// once, as their failure asks for a rotation.
 //
 // Scope: local authentication (users and sticky-session usernames), the
 // client allow-list, the refused destinations (loopback, link-local, private,

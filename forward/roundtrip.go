@@ -295,16 +295,31 @@ func (rb *replayBody) next() *bodyAttempt {
 // before each read, since it cannot tell whether the read will wait:
 // otherwise a streamed answer would sit in the answer's buffer until that
 // fills. A plainBody flushes only before a read that would wait
-// (headLimit.idle).
+// (headLimit.idle). A read that gets no byte for idle_timeout calls off
+// its attempt (stall), which ends the read: the bound headLimit puts on
+// the bodies of proxyd's own connections.
 type flushingBody struct {
 	io.ReadCloser
 	flush func()
+	stall *time.Timer // stopped; runs idle_timeout after a read starts
+	idle  time.Duration
 }
 
 func (b *flushingBody) Read(p []byte) (int, error) {
 	b.flush()
-	return b.ReadCloser.Read(p)
+	b.stall.Reset(b.idle)
+	n, err := b.ReadCloser.Read(p)
+	b.stall.Stop()
+	return n, err
 }
+
+func (b *flushingBody) Close() error {
+	b.stall.Stop()
+	return b.ReadCloser.Close()
+}
+
+// errBodyStalled: an answer's body got no byte for idle_timeout.
+var errBodyStalled = errors.New("answer body stalled past idle_timeout")
 
 // tlsFailure reports whether err is the destination's TLS failing: its
 // certificate not verified, a TLS alert, or no TLS at all.
@@ -386,7 +401,9 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 	if pb, ok := resp.Body.(*plainBody); ok {
 		pb.pc.head.idle = flush
 	} else {
-		resp.Body = &flushingBody{ReadCloser: resp.Body, flush: flush}
+		stall := time.AfterFunc(time.Hour, func() { w.cancel(errBodyStalled) })
+		stall.Stop()
+		resp.Body = &flushingBody{ReadCloser: resp.Body, flush: flush, stall: stall, idle: l.cfg.IdleTimeout}
 	}
 	resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() {
 		w.cancel(nil)

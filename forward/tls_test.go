@@ -216,3 +216,45 @@ func TestHTTPSAbsoluteFormSilentUpstream(t *testing.T) {
 		t.Errorf("reports %+v, want %+v", r, want)
 	}
 }
+
+// An "https://" answer whose body stalls halfway ends at idle_timeout, as
+// one on proxyd's own connections does (TestStalledAnswerBodyEndsAtIdleTimeout).
+func TestHTTPSAnswerBodyStallEndsAtIdleTimeout(t *testing.T) {
+	checkLeaks(t)
+	release := make(chan struct{})
+	origin := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", "100")
+		_, _ = io.WriteString(w, "hello")
+		w.(http.Flusher).Flush()
+		select { // and nothing more, until the test ends
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(origin.Close)
+	t.Cleanup(func() { close(release) })
+	roots := x509.NewCertPool()
+	roots.AddCert(origin.Certificate())
+	u := newHTTPUpstream(t, "", "", nil)
+	p := newFakePool(u.upstream(1))
+	const idle = 400 * time.Millisecond
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.RootCAs = roots
+		c.IdleTimeout = idle
+	}), p)
+	host := strings.TrimPrefix(origin.URL, "https://")
+	c, br := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(c, "GET "+origin.URL+"/ HTTP/1.1\r\nHost: "+host+"\r\n\r\n")
+	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodGet})
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("answer: %v %v", resp, err)
+	}
+	start := time.Now()
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	body, err := io.ReadAll(resp.Body)
+	if took := time.Since(start); string(body) != "hello" || err == nil || isTimeout(err) || took > 5*idle {
+		t.Errorf("body %q, %v after %s; want the 5 bytes that came, then the end of the connection within about %s", body, err, took, idle)
+	}
+	p.waitBalanced(t)
+}
