@@ -44,6 +44,7 @@ type daemon struct {
 	status     map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
 	lastSaved  string              // stateKey of the state file's content (guarded by applyMu)
 	stateMoved atomic.Bool         // a reload changed [state] dir: the next save writes there even if nothing changed
+	draining   atomic.Bool         // SIGTERM: the accept loops are closing on purpose
 	mu         sync.Mutex
 	cfg        config
 	listeners  map[string]*runningListener
@@ -231,6 +232,7 @@ func (d *daemon) Run(ctx context.Context) error {
 	d.log.Info("proxyd serving", "listeners", len(cfg.Listener), "admin", d.adminAddr(), "upstreams", len(d.pool.Upstreams()))
 
 	<-ctx.Done()
+	d.draining.Store(true)
 	d.notify.stopping()
 	d.mu.Lock()
 	timeout := d.cfg.Shutdown.DrainTimeout // a reload may have changed it
@@ -354,7 +356,8 @@ func (d *daemon) closeListeners() {
 }
 
 // watchdog pings systemd at half of WATCHDOG_USEC while the accept loops and
-// the poll loops are alive.
+// the poll loops are alive, and through a drain after SIGTERM, which closes
+// the accept loops on purpose and has its own bound (drain_timeout).
 func (d *daemon) watchdog(ctx context.Context) {
 	every := watchdogInterval(d.getenv)
 	if every <= 0 || !d.notify.enabled() {
@@ -371,7 +374,7 @@ func (d *daemon) watchdog(ctx context.Context) {
 		d.mu.Lock()
 		maxAge := d.cfg.API.Timeout + 10*time.Second // a reload may change it
 		d.mu.Unlock()
-		if alive, why := d.alive(maxAge); alive {
+		if alive, why := d.alive(maxAge); alive || d.draining.Load() {
 			d.notify.watchdog()
 		} else {
 			d.log.Error("not pinging the systemd watchdog", "reason", why)
