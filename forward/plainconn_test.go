@@ -896,8 +896,19 @@ func TestStalledAnswerBodyEndsAtIdleTimeout(t *testing.T) {
 		c.IdleTimeout = idle
 		c.ResponseTimeout = time.Minute
 	}), p)
-	c, br := dialRaw(t, tl.addr)
-	_, _ = io.WriteString(c, "GET http://"+origin+"/ HTTP/1.1\r\nHost: "+origin+"\r\n\r\n")
+	expectCutBody(t, tl.addr, "http://"+origin+"/", "hello", idle)
+	p.waitBalanced(t)
+}
+
+// expectCutBody asks the listener at addr for url, whose answer's body
+// stalls after want: the client must get want and then the end of its
+// connection within a few times idle (not its own 10 s deadline).
+func expectCutBody(t *testing.T, addr, url, want string, idle time.Duration) {
+	t.Helper()
+	c, br := dialRaw(t, addr)
+	host := strings.TrimPrefix(strings.TrimPrefix(url, "http://"), "https://")
+	host, _, _ = strings.Cut(host, "/")
+	_, _ = io.WriteString(c, "GET "+url+" HTTP/1.1\r\nHost: "+host+"\r\n\r\n")
 	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodGet})
 	if err != nil || resp.StatusCode != http.StatusOK {
 		t.Fatalf("answer: %v %v", resp, err)
@@ -905,10 +916,9 @@ func TestStalledAnswerBodyEndsAtIdleTimeout(t *testing.T) {
 	start := time.Now()
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	body, err := io.ReadAll(resp.Body)
-	if took := time.Since(start); string(body) != "hello" || err == nil || isTimeout(err) || took > 5*idle {
-		t.Errorf("body %q, %v after %s; want the 5 bytes that came, then the end of the connection within about %s", body, err, took, idle)
+	if took := time.Since(start); string(body) != want || err == nil || isTimeout(err) || took > 5*idle {
+		t.Errorf("body %q, %v after %s; want the %q that came, then the end of the connection within about %s", body, err, took, want, idle)
 	}
-	p.waitBalanced(t)
 }
 
 // The bound on a stalled answer body is on silence, not on the answer's
