@@ -107,25 +107,6 @@ func listenerKey(ls []listenerConfig, name, key string) string {
 	return "listener " + name + " " + key
 }
 
-// listenerHas reports whether the file's listener i (an element of
-// [[listener]]) has key: a key written empty is not an absent one.
-func listenerHas(tree map[string]any, i int, key string) bool {
-	var elem any
-	switch ls := tree["listener"].(type) {
-	case []map[string]any:
-		if i < len(ls) {
-			elem = ls[i]
-		}
-	case []any:
-		if i < len(ls) {
-			elem = ls[i]
-		}
-	}
-	m, _ := elem.(map[string]any)
-	_, ok := m[key]
-	return ok
-}
-
 // configErrors is every problem of a config file.
 type configErrors []keyError
 
@@ -168,7 +149,7 @@ func parseConfig(text string) (config, error) {
 		d.fail("listener", "no listener: remove the key for the two default listeners, or add a [[listener]]")
 	}
 	for i := range cfg.Listener {
-		if !listenerHas(tree, i, "upstream") {
+		if !d.written[fmt.Sprintf("listener[%d].upstream", i)] {
 			cfg.Listener[i].Upstream = cfg.Listener[i].Protocol // a listener dials its own protocol unless told
 		}
 	}

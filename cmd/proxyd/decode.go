@@ -36,6 +36,10 @@ func (e keyError) Error() string {
 // walks the tree.
 type decoder struct {
 	errs []keyError
+	// written holds the key paths the file wrote (listener[0].upstream),
+	// for the defaults that depend on other keys: they fill only what is
+	// absent.
+	written map[string]bool
 	// newElem returns the starting value of a fresh element of a slice of
 	// structs, so that each [[listener]] element gets the defaults on its own.
 	newElem func(t reflect.Type) reflect.Value
@@ -104,6 +108,10 @@ func (d *decoder) decodeStruct(path string, tree map[string]any, v reflect.Value
 			d.fail(join(path, k), "unknown key")
 			continue
 		}
+		if d.written == nil {
+			d.written = make(map[string]bool)
+		}
+		d.written[join(path, k)] = true
 		d.decodeValue(join(path, k), tree[k], v.FieldByIndex(f.index))
 	}
 }
