@@ -240,9 +240,9 @@ func stringField(obj map[string]json.RawMessage, keys ...string) string {
 
 // oneLine makes the message of a refusal fit one line of a log or an
 // error: each run of characters that are not printable (line breaks,
-// tabs, escapes) becomes one space, and the ends are trimmed. The messages of non-2xx answers keep their line breaks,
-// which callers may render their own way (proxyd api joins them with
-// "; ").
+// tabs, escapes) becomes one space, and the ends are trimmed. The
+// messages of non-2xx answers keep their line breaks, which callers may
+// render their own way (proxyd api joins them with "; ").
 func oneLine(s string) string {
 	var b strings.Builder
 	gap := false

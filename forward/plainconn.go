@@ -444,7 +444,7 @@ func (h *headLimit) Read(p []byte) (int, error) {
 	if h.n < 0 {
 		if h.idle != nil {
 			n, empty, err := tryRead(h.rc, p)
-			stale := isTimeout(err) && h.ctx != nil && h.ctx.Err() == nil
+			stale := err != nil && isTimeout(err) && h.ctx != nil && h.ctx.Err() == nil
 			if !empty && !stale {
 				return n, err
 			}
