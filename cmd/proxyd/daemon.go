@@ -233,10 +233,12 @@ func (d *daemon) Run(ctx context.Context) error {
 
 	<-ctx.Done()
 	d.draining.Store(true)
-	d.notify.stopping()
 	d.mu.Lock()
 	timeout := d.cfg.Shutdown.DrainTimeout // a reload may have changed it
 	d.mu.Unlock()
+	if err := d.notify.stopping(timeout + stopMargin); err != nil {
+		d.log.Warn("systemd notify failed", "err", err)
+	}
 	d.log.Info("stopping: draining connections", "timeout", timeout)
 	drain, cancel := context.WithTimeout(context.Background(), timeout)
 	d.shutdownListeners(drain)
@@ -250,6 +252,11 @@ func (d *daemon) Run(ctx context.Context) error {
 	d.log.Info("stopped")
 	return nil
 }
+
+// stopMargin is what a stop may take beyond drain_timeout: closing the
+// connections left, cancelling the poll loops' API calls and closing the
+// admin server, none of which waits on a peer.
+const stopMargin = 10 * time.Second
 
 // Close stops a running daemon as SIGTERM does and waits for Run to return.
 func (d *daemon) Close() error {

@@ -59,7 +59,13 @@ func (n *notifier) reloading() error {
 	return n.send("RELOADING=1", fmt.Sprintf("MONOTONIC_USEC=%d", usec))
 }
 
-func (n *notifier) stopping() error { return n.send("STOPPING=1") }
+// stopping tells systemd that the service is stopping and will be done
+// within the given time. EXTEND_TIMEOUT_USEC lets a drain_timeout longer
+// than the unit's TimeoutStopSec run to its end instead of being killed
+// (systemd only ever lengthens the stop with it, never shortens it).
+func (n *notifier) stopping(within time.Duration) error {
+	return n.send("STOPPING=1", fmt.Sprintf("EXTEND_TIMEOUT_USEC=%d", within.Microseconds()))
+}
 
 func (n *notifier) watchdog() error { return n.send("WATCHDOG=1") }
 

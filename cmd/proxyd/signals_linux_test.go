@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -223,7 +224,12 @@ func TestDaemonSignals(t *testing.T) {
 
 	// SIGTERM with the tunnel open: stop accepting, let it finish.
 	cmd.Process.Signal(syscall.SIGTERM)
-	notify.expect(t, "STOPPING=1")
+	m = notify.expect(t, "STOPPING=1")
+	// The unit's TimeoutStopSec (45s) would cut a longer drain_timeout:
+	// the stop asks systemd for the drain (20s here) and the margin.
+	if want := "EXTEND_TIMEOUT_USEC=30000000"; !slices.Contains(strings.Split(m, "\n"), want) {
+		t.Errorf("STOPPING=1 without %s: %q", want, m)
+	}
 	waitFor(t, "the listener to stop accepting", 5*time.Second, func() bool {
 		c, err := net.DialTimeout("tcp", httpAddr, time.Second)
 		if err != nil {
