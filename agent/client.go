@@ -220,7 +220,7 @@ func (c Config) ResolveCredential(getenv func(string) string) (Config, string, e
 	}
 	if c.Login != "" {
 		if c.PasswordFile != "" {
-			pw, err := readSecretFile(c.PasswordFile)
+			pw, err := ReadSecretFile(c.PasswordFile)
 			if err != nil {
 				return c, "", fmt.Errorf("password_file: %w", err)
 			}
@@ -260,7 +260,7 @@ func headerSafe(s string) bool {
 // ReadTokenFile reads an API token from path, trimming surrounding
 // whitespace. Its errors name the path, never the content.
 func ReadTokenFile(path string) (string, error) {
-	tok, err := readSecretFile(path)
+	tok, err := ReadSecretFile(path)
 	if err != nil {
 		return "", err
 	}
@@ -270,9 +270,9 @@ func ReadTokenFile(path string) (string, error) {
 	return tok, nil
 }
 
-// readSecretFile reads a one-line secret, trimming surrounding whitespace.
+// ReadSecretFile reads a one-line secret, trimming surrounding whitespace.
 // Its errors name the path, never the content.
-func readSecretFile(path string) (string, error) {
+func ReadSecretFile(path string) (string, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		var pe *fs.PathError

@@ -17,9 +17,13 @@ const (
 )
 
 // User is a local proxy user of one listener (a [[listener.user]] table).
+// Its password is written inline or read from PasswordFile; a Listener
+// checks Password alone, so whoever builds one from a file's config reads
+// PasswordFile into Password first (ReadUsers).
 type User struct {
-	Name     string `toml:"name"`
-	Password string `toml:"password,secret"`
+	Name         string `toml:"name"`
+	Password     string `toml:"password,secret"`
+	PasswordFile string `toml:"password_file"`
 }
 
 // Network is a client or destination network of an allow-list: written
@@ -207,8 +211,11 @@ func (c Config) Validate() error {
 			// "<user>-session-<key>" must split one way only.
 			fail("user[%d].name: must not contain \"-session-\" nor start with \"session-\"", i)
 		}
-		if u.Password == "" {
-			fail("user[%d].password: required", i)
+		switch {
+		case u.Password == "" && u.PasswordFile == "":
+			fail("user[%d].password: required (or password_file)", i)
+		case u.Password != "" && u.PasswordFile != "":
+			fail("user[%d]: password and password_file are both set", i)
 		}
 		if len(u.Name) > 255 || len(u.Password) > 255 {
 			fail("user[%d]: name and password must be at most 255 bytes (RFC 1929)", i)

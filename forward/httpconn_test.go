@@ -244,7 +244,7 @@ func TestPlainConnectionAfterBody(t *testing.T) {
 	p := newFakePool(su.upstream())
 	tl := startListener(t, testConfig(func(c *Config) {
 		c.AllowDestinations = loopbackAllowed
-		c.Users = []User{{"alice", "pw"}}
+		c.Users = []User{{Name: "alice", Password: "pw"}}
 	}), p)
 	auth := "Proxy-Authorization: " + basicHeader("alice", "pw") + "\r\n"
 	c, br := dialRaw(t, tl.addr)

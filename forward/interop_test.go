@@ -44,7 +44,7 @@ func TestCurl(t *testing.T) {
 	n := names{"only-upstream.test": "127.0.0.1"}
 	up := newHTTPUpstream(t, "", "", n)
 	sup := newSOCKSUpstream(t, "", "", n)
-	users := []User{{"alice", "pw"}}
+	users := []User{{Name: "alice", Password: "pw"}}
 	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.Users = users }), newFakePool(up.upstream(1)))
 	stl := startListener(t, testConfig(func(c *Config) { c.Protocol = "socks5"; c.AllowDestinations = loopbackAllowed; c.Users = users }), newFakePool(sup.upstream(2)))
 	run := func(args ...string) string {

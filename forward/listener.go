@@ -84,6 +84,11 @@ func NewListener(cfg Config, p Pool, obs Observer, logger *slog.Logger) (*Listen
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("validating listener %q: %w", cfg.Name, err)
 	}
+	for i, u := range cfg.Users {
+		if u.Password == "" { // only a password_file: its reader did not run
+			return nil, fmt.Errorf("listener %q: user[%d].password_file: not read (a Listener checks the password itself)", cfg.Name, i)
+		}
+	}
 	if p == nil {
 		return nil, errors.New("creating listener: nil pool")
 	}

@@ -62,7 +62,10 @@ func headerProbe(origin string) string {
 func TestHeadersStripped(t *testing.T) {
 	upstreamKinds(t, nil, func(t *testing.T, up *pool.Upstream, _ func() []string) {
 		origin, _ := startOrigin(t, http.HandlerFunc(echoHandler))
-		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.Users = []User{{"alice", "s3cret"}} }), newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) {
+			c.AllowDestinations = loopbackAllowed
+			c.Users = []User{{Name: "alice", Password: "s3cret"}}
+		}), newFakePool(up))
 		resp := rawRequest(t, tl.addr, headerProbe(origin))
 		if resp == nil || resp.StatusCode != 200 {
 			t.Fatalf("response %+v", resp)
@@ -97,7 +100,10 @@ func TestHeadersStrippedAtUpstream(t *testing.T) {
 	for _, creds := range [][2]string{{"upuser", "up:pass"}, {"", ""}} {
 		u := newHTTPUpstream(t, creds[0], creds[1], nil)
 		up := u.upstream(1)
-		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.Users = []User{{"alice", "s3cret"}} }), newFakePool(up))
+		tl := startListener(t, testConfig(func(c *Config) {
+			c.AllowDestinations = loopbackAllowed
+			c.Users = []User{{Name: "alice", Password: "s3cret"}}
+		}), newFakePool(up))
 		if resp := rawRequest(t, tl.addr, headerProbe(origin)); resp == nil || resp.StatusCode != 200 {
 			t.Fatalf("upstream user %q: response %+v", creds[0], resp)
 		}
@@ -131,7 +137,7 @@ func TestLocalUsers(t *testing.T) {
 	p := newFakePool(up.upstream(1))
 	cfg := testConfig(func(c *Config) {
 		c.AllowDestinations = loopbackAllowed
-		c.Users = []User{{"alice", "s3cret"}, {"bob", "pw"}}
+		c.Users = []User{{Name: "alice", Password: "s3cret"}, {Name: "bob", Password: "pw"}}
 	})
 	tl := startListener(t, cfg, p)
 	for _, tc := range []struct {

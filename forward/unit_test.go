@@ -33,15 +33,17 @@ func TestConfigValidate(t *testing.T) {
 		{testConfig(func(c *Config) { c.Address = "nonsense" }), "address:"},
 		{testConfig(func(c *Config) { c.Address = "0.0.0.0:8080" }), "address: 0.0.0.0:8080 is not a loopback address: configure [[listener.user]] or allow"},
 		{testConfig(func(c *Config) { c.Address = ":8080" }), "is not a loopback address"},
-		{testConfig(func(c *Config) { c.Address = "192.0.2.1:8080"; c.Users = []User{{"a", "b"}} }), ""},
+		{testConfig(func(c *Config) { c.Address = "192.0.2.1:8080"; c.Users = []User{{Name: "a", Password: "b"}} }), ""},
 		{testConfig(func(c *Config) { c.Address = "0.0.0.0:8080"; c.Allow = []Network{MustParseNetwork("10.0.0.0/8")} }), ""},
-		{testConfig(func(c *Config) { c.Users = []User{{"", "b"}} }), "user[0].name: required"},
-		{testConfig(func(c *Config) { c.Users = []User{{"a", ""}} }), "user[0].password: required"},
-		{testConfig(func(c *Config) { c.Users = []User{{"a-session-b", "p"}} }), `user[0].name: must not contain "-session-"`},
-		{testConfig(func(c *Config) { c.Users = []User{{"session-b", "p"}} }), `nor start with "session-"`},
-		{testConfig(func(c *Config) { c.Users = []User{{"a:b", "b"}} }), "user[0].name: must not contain"},
-		{testConfig(func(c *Config) { c.Users = []User{{"a", "b"}, {"a", "c"}} }), `user[1].name: "a" listed twice`},
-		{testConfig(func(c *Config) { c.Users = []User{{"a", strings.Repeat("x", 256)}} }), "at most 255 bytes"},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "", Password: "b"}} }), "user[0].name: required"},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "a", Password: ""}} }), "user[0].password: required"},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "a-session-b", Password: "p"}} }), `user[0].name: must not contain "-session-"`},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "session-b", Password: "p"}} }), `nor start with "session-"`},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "a:b", Password: "b"}} }), "user[0].name: must not contain"},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "a", Password: "b"}, {Name: "a", Password: "c"}} }), `user[1].name: "a" listed twice`},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "a", Password: strings.Repeat("x", 256)}} }), "at most 255 bytes"},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "a", PasswordFile: "/etc/proxyd/a"}} }), ""},
+		{testConfig(func(c *Config) { c.Users = []User{{Name: "a", Password: "b", PasswordFile: "/etc/proxyd/a"}} }), "user[0]: password and password_file are both set"},
 		{testConfig(func(c *Config) { c.DialTimeout = -time.Second }), "dial_timeout: must be positive, got -1s"},
 		{testConfig(func(c *Config) { c.MaxConnections = -1 }), "max_connections: must be positive, got -1"},
 		// Zero is a value: where it has no meaning it is refused, naming the key.
@@ -68,6 +70,12 @@ func TestConfigValidate(t *testing.T) {
 	}
 	if _, err := NewListener(testConfig(func(c *Config) { c.Address = "0.0.0.0:1" }), newFakePool(), nil, nil); err == nil {
 		t.Error("NewListener accepted an open non-loopback listener")
+	}
+	// A user whose password is only a file's name would let an empty
+	// password in: the file is its reader's (the daemon's) to read first.
+	if _, err := NewListener(testConfig(func(c *Config) { c.Users = []User{{Name: "a", PasswordFile: "/etc/proxyd/a"}} }), newFakePool(), nil, nil); err == nil ||
+		!strings.Contains(err.Error(), "user[0].password_file: not read") {
+		t.Errorf("NewListener with an unread password_file: %v", err)
 	}
 	d := DefaultConfig()
 	if d.HeaderTimeout != 10*time.Second || d.DialTimeout != 5*time.Second || d.HandshakeTimeout != 10*time.Second ||

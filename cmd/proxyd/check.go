@@ -42,6 +42,12 @@ func cmdCheck(args []string, io stdio) int {
 			fmt.Fprintf(io.err, "%s: warning: admin.token_file: %v\n", *path, err)
 		}
 	}
+	var unread configErrors
+	if errors.As(cfg.readPasswordFiles(), &unread) {
+		for _, e := range unread { // warnings for the reason above
+			fmt.Fprintf(io.err, "%s: warning: %v\n", *path, e)
+		}
+	}
 	if *printCfg {
 		fmt.Fprint(io.out, printConfig(cfg))
 		return 0

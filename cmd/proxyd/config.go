@@ -46,6 +46,58 @@ type listenerConfig struct {
 	Services []int  `toml:"services"` // service IDs; empty = all
 	Kind     string `toml:"kind"`     // "fpr", "ppr" or "" for both
 	Upstream string `toml:"upstream"` // how upstreams are dialed: http | socks5; default: the protocol
+
+	// users is Users with every password_file read (readPasswordFiles),
+	// what the listener checks; nil until read. Comparing two configs
+	// compares it too, so a reload restarts a listener whose password file
+	// changed, as it does one whose config did.
+	users []forward.User
+}
+
+// served is the listener's forward config as the listener is built from it:
+// users with their password files read.
+func (lc listenerConfig) served() forward.Config {
+	fc := lc.Config
+	if lc.users != nil {
+		fc.Users = lc.users
+	}
+	return fc
+}
+
+// readPasswordFiles reads the password_file of every local user, as the
+// daemon does at start and at every reload (as with the other secret
+// files); check reads them to warn early.
+func (c *config) readPasswordFiles() error {
+	var errs configErrors
+	c.Listener = slices.Clone(c.Listener) // the caller's (or the running config's) array stays as it was
+	for i := range c.Listener {
+		lc := &c.Listener[i]
+		lc.users = nil
+		if !slices.ContainsFunc(lc.Users, func(u forward.User) bool { return u.PasswordFile != "" }) {
+			continue
+		}
+		users := slices.Clone(lc.Users)
+		for j := range users {
+			u := &users[j]
+			if u.PasswordFile == "" {
+				continue
+			}
+			key := fmt.Sprintf("listener[%d].user[%d].password_file", i, j)
+			pw, err := agent.ReadSecretFile(u.PasswordFile)
+			switch {
+			case err != nil:
+				errs = append(errs, keyError{Key: key, Msg: err.Error()})
+			case len(pw) > 255:
+				errs = append(errs, keyError{Key: key, Msg: fmt.Sprintf("reading %s: the password must be at most 255 bytes (RFC 1929)", u.PasswordFile)})
+			}
+			u.Password, u.PasswordFile = pw, ""
+		}
+		lc.users = users
+	}
+	if len(errs) > 0 {
+		return errs
+	}
+	return nil
 }
 
 type adminConfig struct {

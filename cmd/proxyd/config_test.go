@@ -448,4 +448,10 @@ func TestCheckCommand(t *testing.T) {
 	if code, out := run(path); code != 0 || !strings.Contains(out, "warning: admin.token_file: ") || !strings.Contains(out, missing) {
 		t.Errorf("unreadable admin.token_file: exit %d\n%s", code, out)
 	}
+	// So is a local user's password file, by its key.
+	os.WriteFile(path, []byte("[api]\ntoken = \"t\"\n[[listener]]\nname = \"h\"\nprotocol = \"http\"\naddress = \"127.0.0.1:8080\"\n"+
+		"[[listener.user]]\nname = \"a\"\npassword = \"pa\"\n[[listener.user]]\nname = \"b\"\npassword_file = \""+missing+"\"\n"), 0o600)
+	if code, out := run(path); code != 0 || !strings.Contains(out, "warning: listener[0].user[1].password_file: reading "+missing) {
+		t.Errorf("unreadable listener[0].user[1].password_file: exit %d\n%s", code, out)
+	}
 }

@@ -82,6 +82,9 @@ func newDaemon(cfg config, opts daemonOptions) (*daemon, error) {
 	if opts.getenv == nil {
 		opts.getenv = os.Getenv
 	}
+	if err := cfg.readPasswordFiles(); err != nil {
+		return nil, err
+	}
 	logger := opts.logger
 	if logger == nil {
 		logger, opts.logs = newLogger(cfg.Log, os.Stderr)
@@ -290,7 +293,7 @@ func (d *daemon) adminAddr() string {
 // same name a reload retires (its open connections count against the new
 // one's max_connections); d.mu is held.
 func (d *daemon) startListener(lc listenerConfig, acc *acceptor, prev *runningListener) error {
-	l, err := forward.NewListener(lc.Config, d.pool, d.metrics.Listener(lc.Name), d.log) // forward adds "listener"
+	l, err := forward.NewListener(lc.served(), d.pool, d.metrics.Listener(lc.Name), d.log) // forward adds "listener"
 	if err != nil {
 		return fmt.Errorf("listener %s: %w", lc.Name, err)
 	}

@@ -99,6 +99,9 @@ func (d *daemon) reload(load func() (config, error)) error {
 		}
 	}
 	if err == nil {
+		err = next.readPasswordFiles()
+	}
+	if err == nil {
 		err = d.applyConfig(next)
 	}
 	if err != nil {

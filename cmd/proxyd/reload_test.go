@@ -549,6 +549,78 @@ func TestReloadRemovedUser(t *testing.T) {
 	roundTrip(t, alice, "alice")
 }
 
+// TestReloadPasswordFile: a local user's password_file is read at start and
+// again at every reload: a changed file takes effect (the open tunnel goes
+// on), an unchanged one leaves the listener alone, and one that cannot be
+// read refuses the reload by its key, the running password kept.
+func TestReloadPasswordFile(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "alice.password")
+	if err := os.WriteFile(file, []byte("first\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) {
+		c.Listener[0].Users = []forward.User{{Name: "alice", PasswordFile: file}}
+	})
+	e.waitReady()
+	addr := e.d.listenerAddr("http")
+	echo := echoServer(t)
+	if _, code := connectAs(t, addr, echo, "alice", ""); code != 407 {
+		t.Errorf("alice with an empty password: %d, want 407", code)
+	}
+	if _, code := connectAs(t, addr, echo, "alice", "second"); code != 407 {
+		t.Errorf("alice with the file's next password before the reload: %d, want 407", code)
+	}
+	open, code := connectAs(t, addr, echo, "alice", "first")
+	if code != 200 {
+		t.Fatalf("alice with the file's password: %d", code)
+	}
+	defer open.Close()
+	roundTrip(t, open, "before")
+
+	running := func() *runningListener {
+		e.d.mu.Lock()
+		defer e.d.mu.Unlock()
+		return e.d.listeners["http"]
+	}
+	before := running()
+	if err := e.d.Reload(e.cfg); err != nil {
+		t.Fatal(err)
+	}
+	if running() != before {
+		t.Error("a reload with the same config and the same file restarted the listener")
+	}
+
+	if err := os.WriteFile(file, []byte("second\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.d.Reload(e.cfg); err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, open, "after the reload") // the open tunnel goes on
+	addr = e.d.listenerAddr("http")
+	if _, code := connectAs(t, addr, echo, "alice", "first"); code != 407 {
+		t.Errorf("alice with the old password after the reload: %d, want 407", code)
+	}
+	c, code := connectAs(t, addr, echo, "alice", "second")
+	if code != 200 {
+		t.Fatalf("alice with the new password after the reload: %d", code)
+	}
+	c.Close()
+
+	os.Remove(file)
+	err := e.d.Reload(e.cfg)
+	if err == nil || !strings.Contains(err.Error(), "listener[0].user[0].password_file: reading "+file) {
+		t.Fatalf("reload without the password file: %v", err)
+	}
+	addr = e.d.listenerAddr("http")
+	c, code = connectAs(t, addr, echo, "alice", "second")
+	if code != 200 {
+		t.Fatalf("alice after the refused reload: %d", code)
+	}
+	c.Close()
+}
+
 // TestReloadKeepsTunnels: a reload that changes a listener, whatever the
 // key, leaves the tunnels open through it running past drain_timeout (they
 // finish; the new incarnation takes the new connections). When proxyd then
