@@ -6,10 +6,13 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"net/netip"
 	"os"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"unicode"
 
 	"github.com/proxyd/proxyd/agent"
@@ -147,7 +150,7 @@ func (p *prepared) abandon() {
 // files and binds sockets; the watchdog and the admin server must not wait on
 // it). Reloads are serialized by reloadMu, so what it read stays current
 // until the commit.
-func (d *daemon) prepare(old, next config, plan reloadPlan, running map[string]*runningListener) (_ *prepared, err error) {
+func (d *daemon) prepare(old, next config, plan reloadPlan, running map[string]*runningListener, held []heldAddr) (_ *prepared, err error) {
 	p := &prepared{}
 	defer func() {
 		if err != nil {
@@ -177,7 +180,7 @@ func (d *daemon) prepare(old, next config, plan reloadPlan, running map[string]*
 		if plan.AdminMove {
 			a, err := bindAdmin(next.Admin, d)
 			if err != nil {
-				return nil, err
+				return nil, heldHere(err, next.Admin.Address, held)
 			}
 			p.admin = a
 		} else {
@@ -196,7 +199,7 @@ func (d *daemon) prepare(old, next config, plan reloadPlan, running map[string]*
 		for _, lc := range bind {
 			ln, err := forward.Listen(context.Background(), lc.Address)
 			if err != nil {
-				return nil, fmt.Errorf("%s: %w", listenerKey(next.Listener, lc.Name, "address"), err)
+				return nil, fmt.Errorf("%s: %w", listenerKey(next.Listener, lc.Name, "address"), heldHere(err, lc.Address, held))
 			}
 			p.sockets[lc.Name] = ln
 		}
@@ -210,9 +213,10 @@ func (d *daemon) applyConfig(next config) error {
 	defer d.reloadMu.Unlock()
 	d.mu.Lock()
 	old, running := d.cfg, maps.Clone(d.listeners)
+	held := d.heldAddrs()
 	d.mu.Unlock()
 	plan := planReload(old, next)
-	p, err := d.prepare(old, next, plan, running)
+	p, err := d.prepare(old, next, plan, running, held)
 	if err != nil {
 		return err
 	}
@@ -323,6 +327,54 @@ func checkWritableDir(dir string) error {
 	}
 	f.Close()
 	return os.Remove(f.Name())
+}
+
+// heldAddr is a socket this proxyd serves: a listener's or the admin's.
+type heldAddr struct {
+	who  string // `listener "http"`, "the admin server"
+	addr *net.TCPAddr
+}
+
+// heldAddrs lists the sockets proxyd serves; d.mu is held.
+func (d *daemon) heldAddrs() []heldAddr {
+	var out []heldAddr
+	for name, rl := range d.listeners {
+		if ta, ok := rl.acc.ln.Addr().(*net.TCPAddr); ok {
+			out = append(out, heldAddr{fmt.Sprintf("listener %q", name), ta})
+		}
+	}
+	if d.admin != nil && d.admin.ln != nil {
+		if ta, ok := d.admin.ln.Addr().(*net.TCPAddr); ok {
+			out = append(out, heldAddr{"the admin server", ta})
+		}
+	}
+	return out
+}
+
+// heldHere explains a bind to address that failed because this proxyd holds
+// the port on an overlapping address (the same address spelled otherwise, or
+// either side unspecified, as in 127.0.0.1:8080 → 0.0.0.0:8080): the kernel
+// refuses the new socket while the old one is open, and a reload binds
+// before it lets go of anything, so only a restart can move the port there.
+func heldHere(err error, address string, held []heldAddr) error {
+	if !errors.Is(err, syscall.EADDRINUSE) {
+		return err
+	}
+	host, port, splitErr := net.SplitHostPort(address)
+	if splitErr != nil {
+		return err
+	}
+	ip, ipErr := netip.ParseAddr(host)
+	for _, h := range held {
+		if strconv.Itoa(h.addr.Port) != port {
+			continue
+		}
+		mine, _ := netip.AddrFromSlice(h.addr.IP)
+		if host == "" || ipErr != nil || ip.IsUnspecified() || mine.IsUnspecified() || ip.Unmap() == mine.Unmap() {
+			return fmt.Errorf("%w (%s of this proxyd holds %s: a reload binds before it closes anything, so restart proxyd to move it)", err, h.who, h.addr)
+		}
+	}
+	return err
 }
 
 // socketPlan says, for the listeners of next that are new or changed,

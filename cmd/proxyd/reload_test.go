@@ -168,8 +168,8 @@ func TestReloadRefusedListenerChangesNothing(t *testing.T) {
 	extra.Name, extra.Protocol, extra.Upstream, extra.Address = "extra", "http", "http", busy.Addr().String()
 	next.Listener = append(next.Listener, extra)
 	key := fmt.Sprintf("listener[%d].address: listen tcp %s", len(next.Listener)-1, extra.Address)
-	if err := e.d.Reload(next); err == nil || !strings.HasPrefix(err.Error(), key) {
-		t.Fatalf("reload onto a taken port: %v, want it to start with %q", err, key)
+	if err := e.d.Reload(next); err == nil || !strings.HasPrefix(err.Error(), key) || strings.Contains(err.Error(), "of this proxyd") {
+		t.Fatalf("reload onto a port another process holds: %v, want it to start with %q and not blame proxyd", err, key)
 	}
 	if got := e.d.pool.Config().Strategy; got != pool.RoundRobin {
 		t.Errorf("pool strategy after a refused reload: %q", got)
@@ -183,6 +183,37 @@ func TestReloadRefusedListenerChangesNothing(t *testing.T) {
 	roundTrip(t, tunnel, "after the refused reload")
 	if e.d.listenerAddr("extra") != "" {
 		t.Error("the refused listener is running")
+	}
+}
+
+// TestReloadOntoItsOwnPort: a listener or admin address re-spelled or
+// widened onto a port proxyd serves cannot be bound while proxyd holds it;
+// the refusal says that it is proxyd's own socket, and what to do.
+func TestReloadOntoItsOwnPort(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) { c.Admin.Address = "127.0.0.1:0" })
+	e.waitReady()
+	_, lport, _ := net.SplitHostPort(e.d.listenerAddr("http"))
+	_, aport, _ := net.SplitHostPort(e.d.adminAddr())
+
+	next := e.cfg
+	next.Listener = append([]listenerConfig(nil), next.Listener...)
+	next.Listener[0].Address = "localhost:" + lport
+	err := e.d.Reload(next)
+	if want := `(listener "http" of this proxyd holds 127.0.0.1:` + lport + `: a reload binds before it closes anything, so restart proxyd to move it)`; err == nil ||
+		!strings.HasPrefix(err.Error(), "listener[0].address: listen tcp") || !strings.Contains(err.Error(), want) {
+		t.Errorf("a listener re-spelled onto its own port: %v, want %q", err, want)
+	}
+
+	next = e.cfg
+	next.Admin.Address = "localhost:" + aport
+	err = e.d.Reload(next)
+	if want := "(the admin server of this proxyd holds 127.0.0.1:" + aport; err == nil ||
+		!strings.HasPrefix(err.Error(), "admin.address: listen tcp") || !strings.Contains(err.Error(), want) {
+		t.Errorf("the admin address re-spelled onto its own port: %v, want %q", err, want)
+	}
+	if got := e.d.listenerAddr("http"); !strings.HasSuffix(got, ":"+lport) {
+		t.Errorf("the listener after the refused reloads: %q", got)
 	}
 }
 
