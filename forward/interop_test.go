@@ -80,7 +80,7 @@ func TestCurl(t *testing.T) {
 		t.Errorf("upload: %s", out)
 	}
 	// 407 without credentials.
-	if out := run("-o", "/dev/null", "-w", "%{http_code}", "-x", "http://"+tl.addr, url); out != "407" {
+	if out := run("-o", os.DevNull, "-w", "%{http_code}", "-x", "http://"+tl.addr, url); out != "407" {
 		t.Errorf("without credentials: %s", out)
 	}
 }
