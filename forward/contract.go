@@ -25,7 +25,7 @@ type Outcome uint8
 
 const (
 	OutcomeOK               Outcome = iota // relayed
-	OutcomeUpstreamError                   // every upstream tried failed, or the destination failed
+	OutcomeUpstreamError                   // every upstream tried failed
 	OutcomeNoUpstream                      // the pool had nothing usable
 	OutcomeDenied                          // auth, allow-list, refused destination, connection cap
 	OutcomeClientError                     // malformed request, client went away before it was served

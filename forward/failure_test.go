@@ -787,3 +787,48 @@ func TestSilentThenDestinationErrorBlamesNoUpstream(t *testing.T) {
 		t.Errorf("outcome %s, want %s", o, OutcomeDestinationError)
 	}
 }
+
+// A plain request's 502, 503 or 504 through an HTTP upstream is passed on as
+// it came and blames nobody (the upstream may speak for the destination, or
+// relay its own status), but it counts as destination_error, as a CONNECT's
+// 502 does; another status of the destination's counts as ok.
+func TestPlainGatewayAnswerCountsAsDestinationError(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusInternalServerError)
+	}))
+	for _, tc := range []struct {
+		name    string
+		mode    upstreamMode
+		status  int
+		outcome Outcome
+	}{
+		{"the upstream's 502", mode502, http.StatusBadGateway, OutcomeDestinationError},
+		{"the destination's 500", modeOK, http.StatusInternalServerError, OutcomeOK},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			up := newHTTPUpstream(t, "", "", nil)
+			up.mode.Store(int32(tc.mode))
+			p := newFakePool(up.upstream(1))
+			tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+			client := tl.httpClient(t, "", "")
+			resp, err := client.Get("http://" + origin + "/")
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != tc.status {
+				t.Errorf("status %d, want %d", resp.StatusCode, tc.status)
+			}
+			p.waitBalanced(t)
+			if r := p.Reports(); !slices.Equal(r, []report{{up.upstream(1).ID(), pool.Success}}) {
+				t.Errorf("reports %+v, want the upstream's success alone", r)
+			}
+			client.Transport.(*http.Transport).CloseIdleConnections() // the connection ends and is counted
+			waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+			if o := tl.obs.Closeds()[0].o; o != tc.outcome {
+				t.Errorf("outcome %s, want %s", o, tc.outcome)
+			}
+		})
+	}
+}

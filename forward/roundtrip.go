@@ -409,7 +409,15 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 		w.cancel(nil)
 		l.pool.Release(w.up)
 	}}
-	cc.setOutcome(OutcomeOK)
+	if gatewayAnswer(w, &w.res) {
+		// A 502, 503 or 504 through an HTTP upstream: the upstream could
+		// not get the destination's answer (or the destination itself
+		// failed). Nobody is blamed, as for a CONNECT's; but the
+		// connection did not reach a working destination.
+		cc.setOutcome(OutcomeDestinationError)
+	} else {
+		cc.setOutcome(OutcomeOK)
+	}
 	return resp
 }
 
