@@ -93,7 +93,7 @@ type happened struct {
 	// unanswered (wNoAnswer, wBudget): the upstream took the request
 	// (CONNECT, or SOCKS5 after answering the greeting), which it answers
 	// only once it reached the destination, and the answer had not come
-	// when handshake_timeout (or the budget, after half of it) ended the
+	// when handshake_timeout (or the budget, after a quarter of it) ended the
 	// attempt. Whose fault that is, run decides by comparison.
 	unanswered bool
 }

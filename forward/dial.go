@@ -224,10 +224,12 @@ func (d *dialer) tunnelOnce(ctx context.Context, u *pool.Upstream, dest socks5.A
 	}
 	if derr == nil || isTimeout(derr.err) && cutByBudget(ctx, start, d.handshakeTimeout) {
 		// The budget ran out before handshake_timeout did (or just as the
-		// answer came). A request that went unanswered for at least half
-		// of handshake_timeout still tells run of a silent destination;
-		// a shorter wait tells nothing.
-		unanswered := derr != nil && derr.h.unanswered && time.Since(start) >= d.handshakeTimeout/2
+		// answer came). A request that went unanswered for at least a
+		// quarter of handshake_timeout still tells run of a silent
+		// destination (a working upstream answers a live one far sooner);
+		// a shorter wait tells nothing. At the defaults (10 s, 15 s for all
+		// attempts) a second attempt after a silent first has about 5 s.
+		unanswered := derr != nil && derr.h.unanswered && time.Since(start) >= d.handshakeTimeout/4
 		derr = failed(wBudget, errAttemptTimeout)
 		derr.h.unanswered = unanswered
 	}

@@ -74,7 +74,7 @@ func TestDialTimeout(t *testing.T) {
 // upstream (which answered the greeting) from replying, until their own
 // connect timeouts, past proxyd's handshake_timeout. When two upstreams
 // were silent on the request (at handshake_timeout, or cut by the budget
-// after half of it) and none answered it, the destination is the slow
+// after a quarter of it) and none answered it, the destination is the slow
 // one: no upstream is blamed, and the client gets a timeout counted as the
 // destination's. An upstream silent while a later one answers is blamed,
 // and so is a lone silent one (a budget cut after a shorter wait tells
@@ -98,6 +98,9 @@ func TestUnreachableDestinationBlamesNoUpstream(t *testing.T) {
 		{"socks5, three silent", pool.SOCKS5, 0, black, 300 * time.Millisecond, 5 * time.Second,
 			[]pool.Result{pool.DestinationError, pool.DestinationError, pool.DestinationError}, 504, OutcomeDestinationError},
 		{"http, the second cut by the budget", pool.HTTP, 0, black, 400 * time.Millisecond, 750 * time.Millisecond,
+			[]pool.Result{pool.DestinationError, pool.Canceled}, 504, OutcomeDestinationError},
+		// The defaults' ratio (10 s and 15 s): the second has a half.
+		{"http, the second cut by the budget at the defaults' ratio", pool.HTTP, 0, black, 400 * time.Millisecond, 600 * time.Millisecond,
 			[]pool.Result{pool.DestinationError, pool.Canceled}, 504, OutcomeDestinationError},
 		{"http, the second cut at once", pool.HTTP, 0, black, 400 * time.Millisecond, 430 * time.Millisecond,
 			[]pool.Result{pool.HandshakeTimeout, pool.Canceled}, 502, OutcomeUpstreamError},
