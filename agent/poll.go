@@ -1258,9 +1258,10 @@ func (p *Poller) Rotate(ctx context.Context, service int, server, session string
 	if err != nil {
 		return "", fmt.Errorf("rotating session %s on %s of service %d: %w", session, server, service, err)
 	}
-	if res.ExitIP == "" {
-		return "", nil // the answer names no exit IP: the next lists round brings it
-	}
+	// An answer that names no exit IP still says the old one is gone: the
+	// session is left without one until the next lists round brings it, or
+	// every snapshot until then would hand the pool the old, errored IP
+	// back, which asks for the same rotation again.
 	p.mu.Lock()
 	if st := p.services[service]; st != nil {
 		for i := range st.Sticky {

@@ -348,6 +348,36 @@ func TestPollerRotate(t *testing.T) {
 	}
 }
 
+// A rotation whose answer names no exit IP succeeds, and the session is
+// left without an exit IP until the next lists round: keeping the old one
+// would hand the pool the IP that was rotated away (errored, most often)
+// with every snapshot, and the pool would rotate the session again.
+func TestPollerRotateWithoutExitIP(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{102} }))
+	pollAll(t, p)
+	sess := sim.Sessions(102)[0]
+	if sess.ExitIP == "" {
+		t.Fatal("the simulated session has no exit IP: the test proves nothing")
+	}
+	sim.RotateHook(func(int, string, string) (int, string) { return 200, `{"status":"ok"}` })
+	ip, err := p.Rotate(context.Background(), 102, sess.Server, sess.Session)
+	if ip != "" || err != nil {
+		t.Fatalf("rotate = %q, %v; want a success without an exit IP", ip, err)
+	}
+	found := false
+	for _, ss := range serviceByID(p.Snapshot(), 102).Sticky {
+		if ss.Session == sess.Session && ss.Server == sess.Server {
+			found = true
+			if ss.ExitIP != "" {
+				t.Errorf("snapshot keeps the rotated-away exit IP %q", ss.ExitIP)
+			}
+		}
+	}
+	if !found {
+		t.Errorf("session %q missing from the snapshot", sess.Session)
+	}
+}
+
 // A rotation the provider refuses in a 200 answer fails, and the session
 // keeps its exit IP, even when the refusal names an address.
 func TestPollerRotateRefusedIn200(t *testing.T) {
