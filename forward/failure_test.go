@@ -832,3 +832,31 @@ func TestPlainGatewayAnswerCountsAsDestinationError(t *testing.T) {
 		})
 	}
 }
+
+// The duration reported with a success feeds the pool's dial + handshake
+// latency average: on a kept upstream connection nothing was dialed, and
+// the wait for the answer is the destination's, not the upstream's.
+func TestKeptConnectionReportsNoLatency(t *testing.T) {
+	checkLeaks(t)
+	const slow = 400 * time.Millisecond
+	origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			time.Sleep(slow)
+		}
+		_, _ = w.Write([]byte("ok"))
+	}))
+	up := newHTTPUpstream(t, "", "", nil)
+	p := newFakePool(up.upstream(1))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed; c.HedgeDelay = 0 }), p)
+	hc := tl.httpClient(t, "", "")
+	getBody(t, hc, "http://"+origin+"/fast") // dials the upstream
+	getBody(t, hc, "http://"+origin+"/slow") // on the kept connection
+	p.waitBalanced(t)
+	tooks := p.Tooks()
+	if len(tooks) != 2 || tooks[0] <= 0 || tooks[0] >= slow || tooks[1] != 0 {
+		t.Errorf("durations reported %v, want the first dial's, then none", tooks)
+	}
+	if a := up.accepted.Load(); a != 1 {
+		t.Errorf("the upstream accepted %d connections, want 1 (the second request on the kept one)", a)
+	}
+}

@@ -443,7 +443,6 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 			out.Header.Set("Proxy-Authorization", a)
 		}
 	}
-	t0 := time.Now()
 	var (
 		resp *http.Response
 		err  error
@@ -465,7 +464,10 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 		// a new connection after a kept one failed is not counted.
 		resp, err = l.transports.get(up).RoundTrip(out)
 	}
-	r := tryResult{took: time.Since(t0), err: err}
+	// took is dial + handshake (the pool's latency average): known only
+	// when this attempt dialed. On a kept connection the wait is for the
+	// destination's answer, which says nothing of the upstream.
+	r := tryResult{err: err}
 	sent := false // the request may have reached the destination
 	aerr, dialed, dialTook := info.get()
 	if dialed {
