@@ -225,7 +225,7 @@ type Prober interface {
 type Hooks struct {
 	Failure func(service int, r Result)      // an upstream failure was reported by a connection or a probe
 	Ejected func(service int)                // an upstream was ejected
-	Rotated func(service int, result string) // a rotation ended: "ok", "error", or "rate_limited" (by the provider, or held back within RotateInterval)
+	Rotated func(service int, result string) // a rotation asked of the provider ended: "ok", "error", or "rate_limited" (the provider refused it for coming too soon)
 	Changed func()                           // the set or its state changed
 }
 

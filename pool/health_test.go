@@ -853,7 +853,7 @@ func TestFailedProbeTakesTheConnectionFailurePath(t *testing.T) {
 	if u.h.trial.Load() {
 		t.Errorf("the failed probe kept the trial claim")
 	}
-	if got := rs.get(); len(got) != 3 {
+	if got := rs.get(); len(got) != 1 {
 		t.Errorf("rotation results %v: a probe within the ejection asks for no rotation", got)
 	}
 
@@ -865,7 +865,7 @@ func TestFailedProbeTakesTheConnectionFailurePath(t *testing.T) {
 	if got := <-rot.seen; got != "s0" {
 		t.Errorf("rotated %s", got)
 	}
-	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 4 })
+	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 2 })
 	s = stateOf(t, p, u.ID())
 	if s.State != Ejected || s.Failures != 4 || s.ConsecutiveFailures != 4 || s.Ejections != 2 || hooked.Load() != 4 {
 		t.Errorf("after a failed probe as the trial: %+v, Failure hook told %d", s, hooked.Load())

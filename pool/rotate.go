@@ -198,9 +198,10 @@ func (p *Pool) requestRotations(hs []*host, idle []*session) {
 // or (numResults) its errored exit IP, h then being any of its upstreams
 // or nil for an unserved session: at most once per session per
 // RotateInterval, whoever asks. The session is rotating until the answer.
-// A request held back by RotateInterval is counted by the Rotated hook as
-// "rate_limited" but is no event: no rotation was tried, and it happens on
-// every failure of the session within the interval.
+// A request held back by RotateInterval is neither counted by the Rotated
+// hook nor an event: no rotation was asked of the provider, and it happens
+// on every failure of the session within the interval ("rate_limited" is
+// the provider's refusal for coming too soon).
 func (p *Pool) requestRotate(s *session, h *host, cause Result) {
 	if p.opts.Rotator == nil || s == nil || s.rot.Load() != nil {
 		return
@@ -208,7 +209,6 @@ func (p *Pool) requestRotate(s *session, h *host, cause Result) {
 	now := p.now().UnixNano()
 	last := s.lastRotate.Load()
 	if tooSoon(last, now, int64(p.cfg.Load().RotateInterval)) {
-		p.rotated(s.key.service, "rate_limited")
 		return
 	}
 	if !s.lastRotate.CompareAndSwap(last, now) {

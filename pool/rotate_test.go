@@ -94,11 +94,12 @@ func TestRotationRateLimitAndResults(t *testing.T) {
 	if s := stateOf(t, p, ss[0].ID()); s.State != Healthy || s.ExitIP != "203.0.113.99" || s.ConsecutiveFailures != 0 {
 		t.Errorf("after the rotation: %+v", s)
 	}
-	// Within the interval: no call, counted as rate_limited.
+	// Within the interval: no call, and no rotation counted (nothing was
+	// asked of the provider).
 	clk.Advance(29 * time.Second)
 	fail(p, handle(p, ss[0]), 1)
-	if got := rs.get(); rot.count() != 1 || len(got) != 2 || got[1] != "rate_limited" {
-		t.Errorf("within the interval: %d calls, results %v", rot.count(), got)
+	if got := rs.get(); rot.count() != 1 || !slices.Equal(got, []string{"ok"}) {
+		t.Errorf("within the interval: %d calls, results %v, want 1 and ok alone", rot.count(), got)
 	}
 	// Past it: rotated again; the provider's answers are classified.
 	for i, tt := range []struct {
@@ -115,8 +116,8 @@ func TestRotationRateLimitAndResults(t *testing.T) {
 		mu.Unlock()
 		clk.Advance(30 * time.Second)
 		fail(p, handle(p, ss[0]), 1)
-		waitFor(t, "the rotation", func() bool { return len(rs.get()) == 3+i })
-		if got := rs.get()[2+i]; got != tt.want {
+		waitFor(t, "the rotation", func() bool { return len(rs.get()) == 2+i })
+		if got := rs.get()[1+i]; got != tt.want {
 			t.Errorf("answer %v: result %q, want %q", tt.err, got, tt.want)
 		}
 	}
@@ -321,6 +322,9 @@ func TestRotationFailing(t *testing.T) {
 	clk.Advance(30 * time.Second)
 	p.SetProviderStatus(7, []string{ss[1].ExitIP}, nil)
 	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 3 })
+	if got := rs.get(); got[2] != "ok" {
+		t.Errorf("results %v, want the third ok", got)
+	}
 	if s := stateOf(t, p, ss[1].ID()); s.State != Healthy || s.ExitIP != "203.0.113.200" || s.Reason != "" {
 		t.Errorf("after a successful rotation: %+v", s)
 	}
@@ -432,7 +436,7 @@ func TestRotationIsPerSession(t *testing.T) {
 		p.Report(u, Success, time.Millisecond)
 		p.Release(u)
 	}
-	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 3 })
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 2 })
 	if s := stateOf(t, p, s1h.ID()); s.State != Healthy || s.ExitIP != "203.0.113.51" || s.ConsecutiveFailures != 0 {
 		t.Errorf("%s after the rotation: %+v", s1h.ID(), s)
 	}
@@ -441,8 +445,8 @@ func TestRotationIsPerSession(t *testing.T) {
 		t.Errorf("%d rotations, want one per session: %v", n, rot.calls)
 		rot.mu.Unlock()
 	}
-	if got := rs.get(); !slices.Equal(got, []string{"ok", "rate_limited", "ok"}) {
-		t.Errorf("results %v", got)
+	if got := rs.get(); !slices.Equal(got, []string{"ok", "ok"}) {
+		t.Errorf("results %v, want two ok (a hold-back is not counted)", got)
 	}
 	wantEvents(t, events, EventRotated,
 		Event{Kind: EventRotated, Upstream: s1s.ID(), Service: 7, Reason: "ok"},
@@ -601,8 +605,8 @@ func TestSessionKeepsItsRotationLimitAcrossARefreshWithoutIt(t *testing.T) {
 
 	missed()
 	fail(p, handle(p, set[0]), 1) // within rotate_interval: held back
-	if got := rs.get(); !slices.Equal(got, []string{"ok", "rate_limited"}) {
-		t.Errorf("rotation results %v, want ok, rate_limited", got)
+	if got := rs.get(); !slices.Equal(got, []string{"ok"}) || rot.count() != 1 {
+		t.Errorf("rotation results %v after %d calls, want ok alone (held back, not asked)", got, rot.count())
 	}
 
 	clk.Advance(DefaultConfig().RotateInterval)
@@ -614,7 +618,7 @@ func TestSessionKeepsItsRotationLimitAcrossARefreshWithoutIt(t *testing.T) {
 	fail(p, handle(p, set[0]), 1)
 	rot.await(t) // rotated again
 	release <- struct{}{}
-	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 3 })
+	waitFor(t, "the second rotation", func() bool { return len(rs.get()) == 2 })
 	if n := rot.count(); n != 2 {
 		t.Errorf("%d sticky/rotate calls, want 2", n)
 	}
@@ -705,8 +709,8 @@ func TestUnservedSessionRotatedWhenExitErrored(t *testing.T) {
 	served = append(served, sessions(7, 10, "198.51.100.1")[9])
 	served[1].ExitIP = "203.0.113.9"
 	p.Update(served)
-	if got := rs.get(); !slices.Equal(got, []string{"ok", "ok", "rate_limited", "rate_limited"}) {
-		t.Errorf("rotation results %v, want ok, ok, rate_limited, rate_limited", got)
+	if got := rs.get(); !slices.Equal(got, []string{"ok", "ok"}) {
+		t.Errorf("rotation results %v, want ok, ok (the two held back are not counted)", got)
 	}
 	if n := rot.count(); n != 2 {
 		t.Errorf("%d sticky/rotate calls, want 2", n)
