@@ -164,6 +164,19 @@ type Snapshot struct {
 	InvoicesKnown  bool
 }
 
+// Unserved lists the account's services that are not served (suspended,
+// pending, or left out of [api] services), as the account's list gives
+// them; the served ones are in Services.
+func (s *Snapshot) Unserved() []ServiceItem {
+	var out []ServiceItem
+	for _, it := range s.Accounts {
+		if !slices.ContainsFunc(s.Services, func(st ServiceState) bool { return st.ID == it.ServiceID }) {
+			out = append(out, it)
+		}
+	}
+	return out
+}
+
 // Poller runs the agent's poll loops against a Client and hands a Snapshot
 // to OnChange after every change. Each loop has a PollOnce for tests. A
 // failed poll backs off (PollConfig.MaxBackoff): in the lists, status and

@@ -504,6 +504,14 @@ func (d *daemon) apply(agent.Snapshot) {
 			Status: st.Record.Status, Due: st.Record.NextDueDate.Time,
 		})
 	}
+	// The account's other services too (proxyd_service_info is about each
+	// service of the account): a suspended one shows its status instead of
+	// leaving the series. Their kind is not in the account's list.
+	for _, it := range s.Unserved() {
+		account.Services = append(account.Services, metrics.ServiceInfo{
+			ID: it.ServiceID, Product: it.ProductName, Status: it.Status, Due: it.NextDueDate.Time,
+		})
+	}
 	if s.AccountKnown {
 		d.metrics.SetAccount(account)
 		ids := make([]int, 0, len(s.Services))

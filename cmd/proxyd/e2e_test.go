@@ -993,6 +993,14 @@ func TestDaemonSuspendedServiceLeaves(t *testing.T) {
 			t.Fatalf("request went via %s after service %d was suspended", via, demoFPR)
 		}
 	}
+	// Its metrics say it is suspended (each service of the account is
+	// described, served or not) rather than leave.
+	info := regexp.MustCompile(fmt.Sprintf(`(?m)^proxyd_service_info\{kind="",product="[^"]+",service="%d",status="Suspended"\} 1$`, demoFPR))
+	due := fmt.Sprintf("\nproxyd_service_due_timestamp_seconds{service=\"%d\"} ", demoFPR)
+	waitFor(t, "the suspended service in /metrics", 5*time.Second, func() bool {
+		_, body := e.admin("/metrics")
+		return info.MatchString(body) && strings.Contains(body, due)
+	})
 }
 
 // TestDaemonReloadChangedListenerUnderLoad reloads a listener whose settings

@@ -206,9 +206,7 @@ func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Eve
 		Known: snap.AccountKnown, CreditKnown: snap.CreditKnown, Credit: money(snap.Credit),
 		InvoicesKnown: snap.InvoicesKnown, Unpaid: snap.UnpaidInvoices, UnpaidUSD: money(snap.UnpaidUSD),
 	}
-	served := map[int]bool{}
 	for _, st := range snap.Services {
-		served[st.ID] = true
 		s := statusService{
 			ID: st.ID, Product: st.Record.ProductName, Type: st.Record.ProductType, Status: st.Record.Status,
 			Due: dateText(st.Record.NextDueDate), Served: true, HasUsage: st.HasUsage,
@@ -228,10 +226,7 @@ func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Eve
 	// The account's other services (suspended, pending, not configured)
 	// are listed too: an unpaid or suspended service explains a pool that
 	// shrank.
-	for _, it := range snap.Accounts {
-		if served[it.ServiceID] {
-			continue
-		}
+	for _, it := range snap.Unserved() {
 		p.Account.Services = append(p.Account.Services, statusService{
 			ID: it.ServiceID, Product: it.ProductName, Status: it.Status, Due: dateText(it.NextDueDate),
 		})
