@@ -13,8 +13,8 @@ func cmdCheck(args []string, io stdio) int {
 	fs.SetOutput(io.err)
 	path := fs.String("config", defaultConfigPath, "config file")
 	printCfg := fs.Bool("print", false, "print the effective configuration as TOML (secrets hidden)")
-	if !parseFlags(fs, args, io) {
-		return 2
+	if code, ok := parseFlags(fs, args, io); !ok {
+		return code
 	}
 	cfg, err := loadConfig(*path)
 	var errs configErrors
@@ -58,14 +58,18 @@ func cmdCheck(args []string, io stdio) int {
 
 // parseFlags parses a command's flags and refuses arguments after them
 // (`proxyd check other.toml` would otherwise check the default config and
-// say ok); false means exit 2, the problem said on stderr.
-func parseFlags(fs *flag.FlagSet, args []string, io stdio) bool {
+// say ok). When it is not ok the command exits with code: 0 after -h (the
+// usage was asked for), 2 for a mistake, said on stderr.
+func parseFlags(fs *flag.FlagSet, args []string, io stdio) (code int, ok bool) {
 	if err := fs.Parse(args); err != nil {
-		return false
+		if errors.Is(err, flag.ErrHelp) {
+			return 0, false
+		}
+		return 2, false
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(io.err, "proxyd %s: unexpected argument %q\n", fs.Name(), fs.Arg(0))
-		return false
+		return 2, false
 	}
-	return true
+	return 0, true
 }

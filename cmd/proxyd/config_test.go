@@ -440,6 +440,14 @@ func TestCheckCommand(t *testing.T) {
 			t.Errorf("%s bad.toml: exit %d, %q %q", cmd, code, out.String(), errb.String())
 		}
 	}
+	// -h asks for the usage: it is printed, and that is no failure.
+	for _, cmd := range []string{"check", "run", "demo", "pool", "api"} {
+		var out, errb strings.Builder
+		code := runMain(context.Background(), []string{cmd, "-h"}, stdio{out: &out, err: &errb, getenv: func(string) string { return "" }})
+		if code != 0 || !strings.Contains(errb.String(), "sage") {
+			t.Errorf("%s -h: exit %d, %q %q", cmd, code, out.String(), errb.String())
+		}
+	}
 	// A token file check cannot read is named (a warning: the file may be
 	// readable by the service's user only).
 	path := filepath.Join(t.TempDir(), "c.toml")

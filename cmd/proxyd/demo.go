@@ -262,8 +262,8 @@ func cmdDemo(ctx context.Context, args []string, io stdio) int {
 	socksAddr := fs.String("socks", "127.0.0.1:1080", "SOCKS5 listener")
 	adminAddr := fs.String("admin", "127.0.0.1:9900", "admin server")
 	faultEvery := fs.Duration("faults", 20*time.Second, "time between injected faults (0: none)")
-	if !parseFlags(fs, args, io) {
-		return 2
+	if code, ok := parseFlags(fs, args, io); !ok {
+		return code
 	}
 	for _, p := range []struct{ flag, addr string }{{"-http", *httpAddr}, {"-socks", *socksAddr}, {"-admin", *adminAddr}} {
 		ln, err := net.Listen("tcp", p.addr)

@@ -30,8 +30,8 @@ func cmdPool(ctx context.Context, args []string, io stdio) int {
 	upstream := fs.String("upstream", "", "with -events: only events of this upstream ID (as /pool names it)")
 	kind := fs.String("kind", "", "with -events: only events of this kind")
 	token := fs.String("token", "", "token of an admin address that wants one (default $PROXYD_ADMIN_TOKEN)")
-	if !parseFlags(fs, args, io) {
-		return 2
+	if code, ok := parseFlags(fs, args, io); !ok {
+		return code
 	}
 	if *token == "" {
 		*token = io.getenv("PROXYD_ADMIN_TOKEN")

@@ -15,8 +15,8 @@ func cmdRun(ctx context.Context, args []string, io stdio) int {
 	fs := flag.NewFlagSet("run", flag.ContinueOnError)
 	fs.SetOutput(io.err)
 	path := fs.String("config", defaultConfigPath, "config file")
-	if !parseFlags(fs, args, io) {
-		return 2
+	if code, ok := parseFlags(fs, args, io); !ok {
+		return code
 	}
 	cfg, err := loadConfig(*path)
 	if err != nil {
