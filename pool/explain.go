@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"cmp"
 	"slices"
 	"strings"
 	"time"
@@ -44,8 +45,8 @@ func (p *Pool) state(h *host, now int64) (State, string) {
 }
 
 // Explain returns what /pool shows: every upstream, current and draining, in
-// ID order, and per listener slice its usable count and panic flag. It holds
-// no password.
+// ID order, per listener slice its usable count and panic flag, and the
+// sticky sessions no upstream stands for. It holds no password.
 func (p *Pool) Explain() Explanation {
 	p.mu.Lock()
 	s := p.snap.Load()
@@ -55,10 +56,21 @@ func (p *Pool) Explain() Explanation {
 			hosts = append(hosts, h)
 		}
 	}
+	unserved := make([]UnservedExplanation, 0, len(p.unserved))
+	for _, ss := range p.unserved {
+		st := p.statusOf(ss.key.service)
+		unserved = append(unserved, UnservedExplanation{
+			Service: ss.key.service, Server: ss.key.server, Session: ss.key.session, ExitIP: ss.exitIP,
+			ExitErrored: st.exitErrored(ss.exitIP), Rotating: ss.rot.Load() != nil,
+		})
+	}
 	p.mu.Unlock()
+	slices.SortFunc(unserved, func(a, b UnservedExplanation) int {
+		return cmp.Or(a.Service-b.Service, strings.Compare(a.Server, b.Server), strings.Compare(a.Session, b.Session))
+	})
 	now := p.now()
 	ns := now.UnixNano()
-	x := Explanation{Updated: s.updated.UTC(), Upstreams: make([]UpstreamExplanation, 0, len(hosts))}
+	x := Explanation{Updated: s.updated.UTC(), Upstreams: make([]UpstreamExplanation, 0, len(hosts)), Unserved: unserved}
 	x.Listeners = p.listenersOf(s, ns)
 	slices.SortFunc(hosts, func(a, b *host) int { return strings.Compare(a.id, b.id) })
 	for _, h := range hosts {

@@ -735,3 +735,39 @@ func TestRotationEventWithoutUpstreams(t *testing.T) {
 	wantEvents(t, events, EventRotated, Event{Kind: EventRotated, Service: 7,
 		Reason: "ok: session s0 on gw.example.net, which no upstream stands for"})
 }
+
+// Explain lists the sessions no upstream stands for, with their exit IP,
+// whether it is errored, and whether their rotation is under way.
+func TestExplainUnservedSessions(t *testing.T) {
+	clk := newClock()
+	rot, release := blockingRotator("203.0.113.77")
+	var rs rotations
+	p := newTestPool(t, DefaultConfig(), Options{Now: clk.Now, Rotator: rot, Hooks: Hooks{Rotated: rs.hook}})
+	served := sessions(7, 1, "198.51.100.1")
+	b := UnservedSession{Service: 7, Server: "gw.example.net", Session: "s9", ExitIP: "203.0.113.9"}
+	a := UnservedSession{Service: 7, Server: "gw.example.net", Session: "s8", ExitIP: "203.0.113.8"}
+	p.Update(served, b, a)
+	want := []UnservedExplanation{
+		{Service: 7, Server: "gw.example.net", Session: "s8", ExitIP: "203.0.113.8"},
+		{Service: 7, Server: "gw.example.net", Session: "s9", ExitIP: "203.0.113.9"},
+	}
+	if got := p.Explain().Unserved; !slices.Equal(got, want) {
+		t.Errorf("unserved %+v, want %+v (in order)", got, want)
+	}
+	if n := len(p.Explain().Upstreams); n != 1 {
+		t.Errorf("%d upstreams, want the served session's alone", n)
+	}
+
+	p.SetProviderStatus(7, []string{"203.0.113.9"}, nil)
+	rot.await(t)
+	want[1].ExitErrored, want[1].Rotating = true, true
+	if got := p.Explain().Unserved; !slices.Equal(got, want) {
+		t.Errorf("while s9 rotates: %+v, want %+v", got, want)
+	}
+	release <- struct{}{}
+	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 1 })
+	want[1] = UnservedExplanation{Service: 7, Server: "gw.example.net", Session: "s9", ExitIP: "203.0.113.77"}
+	if got := p.Explain().Unserved; !slices.Equal(got, want) {
+		t.Errorf("after s9's rotation: %+v, want %+v", got, want)
+	}
+}

@@ -175,6 +175,20 @@ type Explanation struct {
 	Updated   time.Time             `json:"updated"`
 	Listeners []ListenerExplanation `json:"listeners"`
 	Upstreams []UpstreamExplanation `json:"upstreams"`
+	Unserved  []UnservedExplanation `json:"unserved_sessions"`
+}
+
+// UnservedExplanation is a ppr sticky session the provider lists that no
+// upstream stands for (no IP list of its service gives its port): it takes
+// no connection, but when its exit IP is on the provider's errored list it
+// is rotated as any session is.
+type UnservedExplanation struct {
+	Service     int    `json:"service"`
+	Server      string `json:"server"`
+	Session     string `json:"session"`
+	ExitIP      string `json:"exit_ip"`
+	ExitErrored bool   `json:"exit_errored"` // its exit IP is on the provider's errored list
+	Rotating    bool   `json:"rotating"`     // its rotation is under way
 }
 
 type ListenerExplanation struct {

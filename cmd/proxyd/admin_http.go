@@ -204,9 +204,15 @@ func parsePoolFilter(r *http.Request) (poolFilter, error) {
 }
 
 // filterPool narrows ex to the filter; ok is false for an unknown listener.
+// The sessions no upstream stands for have no state and serve no listener:
+// a state or listener filter leaves them out.
 func (d *daemon) filterPool(ex pool.Explanation, f poolFilter) (pool.Explanation, bool) {
 	if f.service != 0 {
 		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return u.Service != f.service })
+		ex.Unserved = slices.DeleteFunc(ex.Unserved, func(u pool.UnservedExplanation) bool { return u.Service != f.service })
+	}
+	if f.state != "" || f.listener != "" {
+		ex.Unserved = nil
 	}
 	if f.state != "" {
 		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return u.State != f.state })
@@ -224,6 +230,9 @@ func (d *daemon) filterPool(ex pool.Explanation, f poolFilter) (pool.Explanation
 	}
 	if ex.Upstreams == nil {
 		ex.Upstreams = []pool.UpstreamExplanation{}
+	}
+	if ex.Unserved == nil {
+		ex.Unserved = []pool.UnservedExplanation{}
 	}
 	if ex.Listeners == nil {
 		ex.Listeners = []pool.ListenerExplanation{}

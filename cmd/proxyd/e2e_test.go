@@ -527,6 +527,28 @@ func TestDaemonUnservedSessionRotated(t *testing.T) {
 			t.Fatalf("the unlisted session has an upstream: %+v", u)
 		}
 	}
+	// /pool lists it apart; a filter by its service keeps it, one by state
+	// or listener (it has neither) leaves it out.
+	unserved := func(query string) []pool.UnservedExplanation {
+		t.Helper()
+		code, body := e.admin("/pool" + query)
+		var ex pool.Explanation
+		if err := json.Unmarshal([]byte(body), &ex); code != 200 || err != nil || ex.Unserved == nil {
+			t.Fatalf("/pool%s: %d %v %s", query, code, err, body)
+		}
+		return ex.Unserved
+	}
+	listed := []pool.UnservedExplanation{{Service: demoPPR, Server: lost.Server, Session: lost.Session, ExitIP: lost.ExitIP}}
+	for _, q := range []string{"", "?service=102"} {
+		if got := unserved(q); !slices.Equal(got, listed) {
+			t.Errorf("/pool%s unserved sessions %+v, want %+v", q, got, listed)
+		}
+	}
+	for _, q := range []string{"?service=101", "?state=healthy", "?listener=http"} {
+		if got := unserved(q); len(got) != 0 {
+			t.Errorf("/pool%s unserved sessions %+v, want none", q, got)
+		}
+	}
 	w.sim.MarkErrored(demoPPR, lost.ExitIP)
 	e.pollOnce(agent.LoopStatus)
 	// The pool counts a rotation once it has recorded its event.
@@ -678,6 +700,7 @@ func TestRenderPoolGolden(t *testing.T) {
 			{ID: "101/http/192.0.2.2:8080", Service: 101, State: pool.Ejected, Reason: "dial_refused", Failures: 7, ConsecutiveFailures: 3, Ejections: 1, EjectedUntil: &until},
 			{ID: "102/socks5/gw.example:9000/s1", Service: 102, State: pool.Rotating, ExitIP: "198.51.100.7", InFlight: 2},
 		},
+		Unserved: []pool.UnservedExplanation{{Service: 102, Server: "gw.example", Session: "s9", ExitIP: "198.51.100.9", ExitErrored: true, Rotating: true}},
 	}
 	var b bytes.Buffer
 	if err := renderPool(&b, ex, until.Add(-10*time.Second)); err != nil {

@@ -176,7 +176,32 @@ func renderPool(w io.Writer, ex pool.Explanation, now time.Time) error {
 		updated = ex.Updated.UTC().Format(time.RFC3339)
 	}
 	fmt.Fprintf(w, "\n%d upstreams (%s); pool updated %s\n", len(ex.Upstreams), strings.Join(sum, ", "), updated)
+	if len(ex.Unserved) == 0 {
+		return nil
+	}
+	// Sessions the provider lists that no IP list gives a port for: no
+	// connection goes through them, but an errored exit IP is rotated.
+	st := table{head: []string{"UNSERVED SESSION", "SERVICE", "SERVER", "EXIT IP", "EXIT ERRORED", "ROTATING"}}
+	for _, u := range ex.Unserved {
+		st.add(u.Session, u.Service, u.Server, u.ExitIP, yesNo(u.ExitErrored), yesNo(u.Rotating))
+	}
+	fmt.Fprintln(w)
+	if err := st.write(w); err != nil {
+		return err
+	}
+	noun := "sticky sessions"
+	if len(ex.Unserved) == 1 {
+		noun = "sticky session"
+	}
+	fmt.Fprintf(w, "\n%d %s no upstream stands for (no connection goes through them; an errored exit IP is rotated)\n", len(ex.Unserved), noun)
 	return nil
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
 }
 
 // renderEvents writes the event log, newest first as /events gives it.

@@ -54,13 +54,15 @@ type statusFilter struct {
 	Listeners                []string
 }
 
-// statusGroup is one service's upstreams.
+// statusGroup is one service's upstreams, and its sticky sessions no
+// upstream stands for.
 type statusGroup struct {
 	Service   int
 	Product   string
 	Kind      string
 	Summary   string // "3 healthy, 1 ejected"
 	Upstreams []statusUpstream
+	Unserved  []pool.UnservedExplanation
 }
 
 type statusUpstream struct {
@@ -178,13 +180,16 @@ func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Eve
 	}
 
 	byService := map[int]*statusGroup{}
-	for _, u := range ex.Upstreams {
-		g := byService[u.Service]
+	group := func(service int, kind pool.Kind) *statusGroup {
+		g := byService[service]
 		if g == nil {
-			rec := records[u.Service]
-			g = &statusGroup{Service: u.Service, Product: rec.ProductName, Kind: string(u.Kind)}
-			byService[u.Service] = g
+			g = &statusGroup{Service: service, Product: records[service].ProductName, Kind: string(kind)}
+			byService[service] = g
 		}
+		return g
+	}
+	for _, u := range ex.Upstreams {
+		g := group(u.Service, u.Kind)
 		row := statusUpstream{
 			ID: u.ID, Address: u.Address, Protocol: string(u.Protocol), Session: u.Session, ExitIP: u.ExitIP,
 			State: u.State, Reason: u.Reason, Failures: u.Failures, Consecutive: u.ConsecutiveFailures,
@@ -196,8 +201,21 @@ func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Eve
 		}
 		g.Upstreams = append(g.Upstreams, row)
 	}
+	for _, u := range ex.Unserved {
+		g := group(u.Service, pool.PPR)
+		g.Unserved = append(g.Unserved, u)
+	}
 	for _, g := range byService {
 		g.Summary = stateSummary(g.Upstreams)
+		if n := len(g.Unserved); n > 0 {
+			if g.Summary != "" {
+				g.Summary += ", "
+			}
+			g.Summary += fmt.Sprintf("%d unserved session", n)
+			if n > 1 {
+				g.Summary += "s"
+			}
+		}
 		p.Groups = append(p.Groups, *g)
 	}
 	slices.SortFunc(p.Groups, func(a, b statusGroup) int { return a.Service - b.Service })

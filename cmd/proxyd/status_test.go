@@ -53,6 +53,10 @@ func TestStatusPageEscapes(t *testing.T) {
 			{ID: "102/http/gw.example:9000/s1", Service: 102, Kind: pool.PPR, Protocol: pool.HTTP, Address: "gw.example:9000", Session: "s1",
 				State: pool.Healthy, ExitIP: "198.51.100.7", InFlight: 2},
 		},
+		Unserved: []pool.UnservedExplanation{
+			{Service: 102, Server: "gw.example", Session: "s9", ExitIP: "198.51.100.9", ExitErrored: true, Rotating: true},
+			{Service: 104, Server: "gw.example", Session: "<s10>", ExitIP: "198.51.100.10"},
+		},
 	}
 	snap := agent.Snapshot{
 		AccountKnown: true, CreditKnown: true, Credit: 12.5, InvoicesKnown: true, UnpaidInvoices: 2, UnpaidUSD: 30,
@@ -78,6 +82,10 @@ func TestStatusPageEscapes(t *testing.T) {
 		"&lt;img src=x onerror=alert(1)&gt;", "&lt;script&gt;alert(2)&lt;/script&gt;", "&#34;quoted&#34; &amp; &lt;i&gt;",
 		`<meta http-equiv="refresh" content="5">`, "in 42s", `id="usage-102"`, "256 of 1024 (25%)", "$12.50", "PANIC", "2 unpaid invoices ($30.00)",
 		`class="state state-ejected"`, "(not served)",
+		// Sessions no upstream stands for: with their service's group, or
+		// in a group of their own.
+		`<tr class="unserved" data-session="s9"><td>s9</td><td><code>gw.example</code></td><td><code>198.51.100.9</code></td><td><span class="over">yes</span></td><td>yes</td></tr>`,
+		"1 healthy, 1 unserved session</small>", `id="service-104"`, "<small>ppr · 1 unserved session</small>", `data-session="&lt;s10&gt;"`,
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("the page lacks %q", want)
