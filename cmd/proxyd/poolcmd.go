@@ -189,12 +189,16 @@ func renderPool(w io.Writer, ex pool.Explanation, now time.Time) error {
 	if err := st.write(w); err != nil {
 		return err
 	}
-	noun := "sticky sessions"
-	if len(ex.Unserved) == 1 {
-		noun = "sticky session"
-	}
-	fmt.Fprintf(w, "\n%d %s no upstream stands for (no connection goes through them; an errored exit IP is rotated)\n", len(ex.Unserved), noun)
+	fmt.Fprintf(w, "\n%s no upstream stands for (no connection goes through them; an errored exit IP is rotated)\n", count(len(ex.Unserved), "sticky session"))
 	return nil
+}
+
+// count is "1 event", "2 events": n and the noun, plural unless n is 1.
+func count(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return strconv.Itoa(n) + " " + noun + "s"
 }
 
 func yesNo(b bool) string {
@@ -217,11 +221,7 @@ func renderEvents(w io.Writer, ev eventsAnswer, now time.Time) error {
 	if err := t.write(w); err != nil {
 		return err
 	}
-	noun := "events"
-	if len(ev.Events) == 1 {
-		noun = "event"
-	}
-	fmt.Fprintf(w, "\n%d %s\n", len(ev.Events), noun)
+	fmt.Fprintf(w, "\n%s\n", count(len(ev.Events), "event"))
 	return nil
 }
 
@@ -246,12 +246,8 @@ func renderAccount(w io.Writer, a accountSummary) error {
 	case 0:
 		_, err = fmt.Fprintf(w, "account: credit %.2f USD; no unpaid invoice\n", a.CreditUSD)
 	default:
-		noun := "invoices"
-		if a.UnpaidInvoices == 1 {
-			noun = "invoice"
-		}
-		_, err = fmt.Fprintf(w, "account: credit %.2f USD; %d unpaid %s (%.2f USD): pay before the provider suspends services\n",
-			a.CreditUSD, a.UnpaidInvoices, noun, a.UnpaidUSD)
+		_, err = fmt.Fprintf(w, "account: credit %.2f USD; %s (%.2f USD): pay before the provider suspends services\n",
+			a.CreditUSD, count(a.UnpaidInvoices, "unpaid invoice"), a.UnpaidUSD)
 	}
 	return err
 }

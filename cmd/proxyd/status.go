@@ -211,10 +211,7 @@ func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Eve
 			if g.Summary != "" {
 				g.Summary += ", "
 			}
-			g.Summary += fmt.Sprintf("%d unserved session", n)
-			if n > 1 {
-				g.Summary += "s"
-			}
+			g.Summary += count(n, "unserved session")
 		}
 		p.Groups = append(p.Groups, *g)
 	}
