@@ -369,8 +369,9 @@ func heldHere(err error, address string, held []heldAddr) error {
 		if strconv.Itoa(h.addr.Port) != port {
 			continue
 		}
-		mine, _ := netip.AddrFromSlice(h.addr.IP)
-		if host == "" || ipErr != nil || ip.IsUnspecified() || mine.IsUnspecified() || ip.Unmap() == mine.Unmap() {
+		mine, _ := netip.AddrFromSlice(h.addr.IP) // 0.0.0.0 may come in its 16-byte form
+		mine, ip := mine.Unmap(), ip.Unmap()
+		if host == "" || ipErr != nil || ip.IsUnspecified() || mine.IsUnspecified() || ip == mine {
 			return fmt.Errorf("%w (%s of this proxyd holds %s: a reload binds before it closes anything, so restart proxyd to move it)", err, h.who, h.addr)
 		}
 	}

@@ -217,6 +217,39 @@ func TestReloadOntoItsOwnPort(t *testing.T) {
 	}
 }
 
+// heldHere names proxyd's own socket only where its port and address
+// overlap the one refused (either side unspecified, in any form).
+func TestHeldHere(t *testing.T) {
+	inUse := &net.OpError{Op: "listen", Net: "tcp", Err: os.NewSyscallError("bind", syscall.EADDRINUSE)}
+	held := []heldAddr{
+		{`listener "http"`, &net.TCPAddr{IP: net.ParseIP("0.0.0.0"), Port: 8080}}, // ParseIP: the 16-byte form
+		{"the admin server", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1).To4(), Port: 9900}},
+	}
+	for _, tc := range []struct {
+		address, who string // who: "" when the error stays as it was
+	}{
+		{"127.0.0.1:8080", `listener "http"`},
+		{"[::1]:8080", `listener "http"`},
+		{":8080", `listener "http"`},
+		{"localhost:9900", "the admin server"},
+		{"0.0.0.0:9900", "the admin server"},
+		{"[::ffff:127.0.0.1]:9900", "the admin server"},
+		{"127.0.0.2:9900", ""},
+		{"127.0.0.1:8081", ""},
+	} {
+		err := heldHere(inUse, tc.address, held)
+		if got := strings.Contains(err.Error(), "of this proxyd holds"); got != (tc.who != "") || tc.who != "" && !strings.Contains(err.Error(), tc.who) {
+			t.Errorf("%s: %v, want it to name %q", tc.address, err, tc.who)
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) {
+			t.Errorf("%s: %v lost the error it explains", tc.address, err)
+		}
+	}
+	if err := heldHere(os.ErrPermission, "127.0.0.1:8080", held); err != os.ErrPermission {
+		t.Errorf("another error than EADDRINUSE: %v", err)
+	}
+}
+
 // TestReloadOfPrintedConfigChangesNothing: reloading the config that
 // check -print printed is no change at all (an empty array and an absent
 // key are the same).
