@@ -659,10 +659,13 @@ func (lp *loop) judge(r pool.Result) (last *try) {
 // gatewayAnswer reports whether an answer head through an HTTP upstream is
 // a 502, 503 or 504, which the upstream may have generated itself.
 func gatewayAnswer(t *try, r *tryResult) bool {
-	if t.up.Protocol != pool.HTTP || r.resp == nil {
-		return false
-	}
-	switch r.resp.StatusCode {
+	return t.up.Protocol == pool.HTTP && r.resp != nil && failureStatus(r.resp.StatusCode)
+}
+
+// failureStatus reports whether an answer's status says that the
+// destination (or a gateway on its behalf) could not answer: 502, 503, 504.
+func failureStatus(code int) bool {
+	switch code {
 	case http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
 		return true
 	}

@@ -8,6 +8,8 @@ import (
 	"net/netip"
 	"strings"
 	"time"
+
+	"github.com/proxyd/proxyd/forward/socks5"
 )
 
 // Listener protocols.
@@ -19,7 +21,8 @@ const (
 // User is a local proxy user of one listener (a [[listener.user]] table).
 // Its password is written inline or read from PasswordFile; a Listener
 // checks Password alone, so whoever builds one from a file's config reads
-// PasswordFile into Password first (ReadUsers).
+// PasswordFile into Password first (the daemon does, at start and at every
+// reload).
 type User struct {
 	Name         string `toml:"name"`
 	Password     string `toml:"password,secret"`
@@ -217,7 +220,7 @@ func (c Config) Validate() error {
 		case u.Password != "" && u.PasswordFile != "":
 			fail("user[%d]: password and password_file are both set", i)
 		}
-		if len(u.Name) > 255 || len(u.Password) > 255 {
+		if len(u.Name) > socks5.MaxCredentialBytes || len(u.Password) > socks5.MaxCredentialBytes {
 			fail("user[%d]: name and password must be at most 255 bytes (RFC 1929)", i)
 		}
 		for j := range i {

@@ -788,31 +788,46 @@ func TestSilentThenDestinationErrorBlamesNoUpstream(t *testing.T) {
 	}
 }
 
-// A plain request's 502, 503 or 504 through an HTTP upstream is passed on as
-// it came and blames nobody (the upstream may speak for the destination, or
-// relay its own status), but it counts as destination_error, as a CONNECT's
-// 502 does; another status of the destination's counts as ok.
+// A plain request's 502, 503 or 504 is passed on as it came and blames
+// nobody (through an HTTP upstream it may be the upstream's, speaking for
+// the destination), but it counts as destination_error, as a CONNECT's 502
+// does, whichever the upstream's protocol; another status of the
+// destination's counts as ok.
 func TestPlainGatewayAnswerCountsAsDestinationError(t *testing.T) {
 	checkLeaks(t)
 	origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/503" {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
 		w.WriteHeader(http.StatusInternalServerError)
 	}))
 	for _, tc := range []struct {
 		name    string
+		socks   bool
 		mode    upstreamMode
+		path    string
 		status  int
 		outcome Outcome
 	}{
-		{"the upstream's 502", mode502, http.StatusBadGateway, OutcomeDestinationError},
-		{"the destination's 500", modeOK, http.StatusInternalServerError, OutcomeOK},
+		{"the upstream's 502", false, mode502, "/", http.StatusBadGateway, OutcomeDestinationError},
+		{"the destination's 503 through an HTTP upstream", false, modeOK, "/503", http.StatusServiceUnavailable, OutcomeDestinationError},
+		{"the destination's 503 through a SOCKS5 upstream", true, modeOK, "/503", http.StatusServiceUnavailable, OutcomeDestinationError},
+		{"the destination's 500", false, modeOK, "/", http.StatusInternalServerError, OutcomeOK},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			up := newHTTPUpstream(t, "", "", nil)
-			up.mode.Store(int32(tc.mode))
-			p := newFakePool(up.upstream(1))
+			var u *pool.Upstream
+			if tc.socks {
+				u = newSOCKSUpstream(t, "u", "p", nil).upstream(1)
+			} else {
+				up := newHTTPUpstream(t, "", "", nil)
+				up.mode.Store(int32(tc.mode))
+				u = up.upstream(1)
+			}
+			p := newFakePool(u)
 			tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
 			client := tl.httpClient(t, "", "")
-			resp, err := client.Get("http://" + origin + "/")
+			resp, err := client.Get("http://" + origin + tc.path)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -821,7 +836,7 @@ func TestPlainGatewayAnswerCountsAsDestinationError(t *testing.T) {
 				t.Errorf("status %d, want %d", resp.StatusCode, tc.status)
 			}
 			p.waitBalanced(t)
-			if r := p.Reports(); !slices.Equal(r, []report{{up.upstream(1).ID(), pool.Success}}) {
+			if r := p.Reports(); !slices.Equal(r, []report{{u.ID(), pool.Success}}) {
 				t.Errorf("reports %+v, want the upstream's success alone", r)
 			}
 			client.Transport.(*http.Transport).CloseIdleConnections() // the connection ends and is counted

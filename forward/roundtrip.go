@@ -409,10 +409,10 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 		w.cancel(nil)
 		l.pool.Release(w.up)
 	}}
-	if gatewayAnswer(w, &w.res) {
-		// A 502, 503 or 504 through an HTTP upstream: the upstream could
-		// not get the destination's answer (or the destination itself
-		// failed). Nobody is blamed, as for a CONNECT's; but the
+	if failureStatus(resp.StatusCode) {
+		// A 502, 503 or 504: the destination failed, or an HTTP upstream
+		// could not get its answer (which of the two, the answer does not
+		// always say). Nobody is blamed, as for a CONNECT's 502; but the
 		// connection did not reach a working destination.
 		cc.setOutcome(OutcomeDestinationError)
 	} else {

@@ -203,10 +203,12 @@ func parsePoolFilter(r *http.Request) (poolFilter, error) {
 	return f, nil
 }
 
-// filterPool narrows ex to the filter; ok is false for an unknown listener.
-// The sessions no upstream stands for have no state and serve no listener:
-// a state or listener filter leaves them out.
+// filterPool narrows ex to the filter, on copies of its lists (the caller
+// may still read ex's); ok is false for an unknown listener. The sessions
+// no upstream stands for have no state and serve no listener: a state or
+// listener filter leaves them out.
 func (d *daemon) filterPool(ex pool.Explanation, f poolFilter) (pool.Explanation, bool) {
+	ex.Upstreams, ex.Unserved, ex.Listeners = slices.Clone(ex.Upstreams), slices.Clone(ex.Unserved), slices.Clone(ex.Listeners)
 	if f.service != 0 {
 		ex.Upstreams = slices.DeleteFunc(ex.Upstreams, func(u pool.UpstreamExplanation) bool { return u.Service != f.service })
 		ex.Unserved = slices.DeleteFunc(ex.Unserved, func(u pool.UnservedExplanation) bool { return u.Service != f.service })

@@ -15,6 +15,7 @@ import (
 
 	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/forward"
+	"github.com/proxyd/proxyd/forward/socks5"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -87,8 +88,8 @@ func (c *config) readPasswordFiles() error {
 			switch {
 			case err != nil:
 				errs = append(errs, keyError{Key: key, Msg: err.Error()})
-			case len(pw) > 255:
-				errs = append(errs, keyError{Key: key, Msg: fmt.Sprintf("reading %s: the password must be at most 255 bytes (RFC 1929)", u.PasswordFile)})
+			case len(pw) > socks5.MaxCredentialBytes:
+				errs = append(errs, keyError{Key: key, Msg: fmt.Sprintf("reading %s: the password must be at most %d bytes (RFC 1929)", u.PasswordFile, socks5.MaxCredentialBytes)})
 			}
 			u.Password, u.PasswordFile = pw, ""
 		}

@@ -24,7 +24,7 @@ import (
 var statusHTML string
 
 // statusTemplate is parsed once; it holds no state.
-var statusTemplate = template.Must(template.New("status").Parse(statusHTML))
+var statusTemplate = template.Must(template.New("status").Funcs(template.FuncMap{"count": count}).Parse(statusHTML))
 
 // statusEvents is how many of the latest events the page lists.
 const statusEvents = 50
@@ -151,12 +151,13 @@ func (d *daemon) serveStatus(w http.ResponseWriter, r *http.Request) {
 func serviceIDs(ex pool.Explanation) []int {
 	var ids []int
 	for _, u := range ex.Upstreams {
-		if !slices.Contains(ids, u.Service) {
-			ids = append(ids, u.Service)
-		}
+		ids = append(ids, u.Service)
+	}
+	for _, u := range ex.Unserved {
+		ids = append(ids, u.Service)
 	}
 	slices.Sort(ids)
-	return ids
+	return slices.Compact(ids)
 }
 
 // buildStatusPage is the page's content, a pure function of what the

@@ -477,6 +477,11 @@ func TestStatusPageFilters(t *testing.T) {
 	if !strings.Contains(body, `<option selected>102</option>`) {
 		t.Error("the filter form does not show the service in force")
 	}
+	// The form offers every service, the filtered-out ones too (filtering
+	// must not touch the unfiltered view the choices come from).
+	if !strings.Contains(body, `<option>101</option>`) || strings.Contains(body, `<option>0</option>`) {
+		t.Errorf("the service choices under ?service=102: %s", grepLines(body, "<option"))
+	}
 	for q, want := range map[string]int{"?state=bogus": 400, "?service=x": 400, "?listener=nope": 404, "/nothing": 404} {
 		path := "/" + q
 		if strings.HasPrefix(q, "/") {
