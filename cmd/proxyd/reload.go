@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 	"unicode"
 
 	"github.com/proxyd/proxyd/agent"
@@ -364,14 +365,33 @@ func heldHere(err error, address string, held []heldAddr) error {
 	if splitErr != nil {
 		return err
 	}
-	ip, ipErr := netip.ParseAddr(host)
-	for _, h := range held {
-		if strconv.Itoa(h.addr.Port) != port {
-			continue
+	var ips []netip.Addr // none: all addresses (":8080")
+	if host != "" {
+		if ip, perr := netip.ParseAddr(host); perr == nil {
+			ips = []netip.Addr{ip}
+		} else {
+			// A name the failed bind resolved a moment ago ("localhost").
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			if ips, perr = net.DefaultResolver.LookupNetIP(ctx, "ip", host); perr != nil || len(ips) == 0 {
+				return err
+			}
 		}
+	}
+	overlaps := func(mine netip.Addr) bool {
+		if len(ips) == 0 || mine.IsUnspecified() {
+			return true
+		}
+		for _, ip := range ips {
+			if ip = ip.Unmap(); ip.IsUnspecified() || ip == mine {
+				return true
+			}
+		}
+		return false
+	}
+	for _, h := range held {
 		mine, _ := netip.AddrFromSlice(h.addr.IP) // 0.0.0.0 may come in its 16-byte form
-		mine, ip := mine.Unmap(), ip.Unmap()
-		if host == "" || ipErr != nil || ip.IsUnspecified() || mine.IsUnspecified() || ip == mine {
+		if strconv.Itoa(h.addr.Port) == port && overlaps(mine.Unmap()) {
 			return fmt.Errorf("%w (%s of this proxyd holds %s: a reload binds before it closes anything, so restart proxyd to move it)", err, h.who, h.addr)
 		}
 	}

@@ -224,6 +224,7 @@ func TestHeldHere(t *testing.T) {
 	held := []heldAddr{
 		{`listener "http"`, &net.TCPAddr{IP: net.ParseIP("0.0.0.0"), Port: 8080}}, // ParseIP: the 16-byte form
 		{"the admin server", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1).To4(), Port: 9900}},
+		{`listener "lan"`, &net.TCPAddr{IP: net.ParseIP("192.0.2.1"), Port: 7000}},
 	}
 	for _, tc := range []struct {
 		address, who string // who: "" when the error stays as it was
@@ -236,6 +237,8 @@ func TestHeldHere(t *testing.T) {
 		{"[::ffff:127.0.0.1]:9900", "the admin server"},
 		{"127.0.0.2:9900", ""},
 		{"127.0.0.1:8081", ""},
+		{"192.0.2.1:7000", `listener "lan"`},
+		{"localhost:7000", ""}, // a name is resolved: localhost is not 192.0.2.1
 	} {
 		err := heldHere(inUse, tc.address, held)
 		if got := strings.Contains(err.Error(), "of this proxyd holds"); got != (tc.who != "") || tc.who != "" && !strings.Contains(err.Error(), tc.who) {
