@@ -360,9 +360,10 @@ func errorResponse(req *http.Request, status int, text string) *http.Response {
 }
 
 // resendable reports whether a request may be sent again while its first
-// send is still in flight: replayable in net/http's sense (GET, HEAD,
-// OPTIONS or TRACE, or a request carrying an idempotency key) and without
-// a body (which proxyd does not keep).
+// send is still in flight: GET, HEAD, OPTIONS or TRACE, or a request
+// carrying Idempotency-Key (net/http's replay rule, without the older
+// X-Idempotency-Key it also takes: a hedge is a deliberate second send),
+// and without a body (which proxyd does not keep).
 func resendable(req *http.Request) bool {
 	if req.Body != nil && req.Body != http.NoBody {
 		return false
@@ -372,8 +373,7 @@ func resendable(req *http.Request) bool {
 		return true
 	}
 	_, key := req.Header["Idempotency-Key"]
-	_, xkey := req.Header["X-Idempotency-Key"]
-	return key || xkey
+	return key
 }
 
 // roundTrip sends one plain request through the attempt loop under ctx
