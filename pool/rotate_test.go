@@ -222,6 +222,46 @@ func TestRotationReleasesWaitingKeys(t *testing.T) {
 	}
 }
 
+// On a listener that serves fpr and ppr alike, a key whose session's
+// rotation outlasts rotate_wait falls back to another session of its
+// service, not to a static IP; only where the service has none left does
+// the connection take any upstream of the listener.
+func TestRotationFallbackStaysWithItsService(t *testing.T) {
+	clk := newClock()
+	rot := &fakeRotator{fn: func(ctx context.Context, _ string) (string, error) {
+		<-ctx.Done() // never answers; Run's end cancels it
+		return "", ctx.Err()
+	}}
+	const bound = 20 * time.Millisecond
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = bound; c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Rotator: rot})
+	ss := sessions(7, 3, "198.51.100.1")
+	static := ups(9, 6)
+	p.Update(append(slices.Clone(ss), static...))
+	key := stickyOn(t, p, ss[0].ID())
+	fail(p, handle(p, ss[0]), 1) // its rotation starts, and never ends
+	for range 8 {
+		u := mustPick(t, p, Request{Key: key})
+		if u.Service != 7 || u.ID() == ss[0].ID() {
+			t.Errorf("fallback to %s, want another session of service 7", u.ID())
+		}
+		p.Report(u, Success, time.Millisecond)
+		p.Release(u)
+	}
+	// The service's other sessions out: any upstream serves the connection.
+	for _, s := range ss[1:] {
+		fail(p, handle(p, s), DefaultConfig().FailureThreshold)
+	}
+	u := mustPick(t, p, Request{Key: key})
+	if u.Service != 9 {
+		t.Errorf("with no other session to give, fallback to %s, want a static upstream", u.ID())
+	}
+	p.Report(u, Success, time.Millisecond)
+	p.Release(u)
+	if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
+		t.Errorf("key moved off its rotating session")
+	}
+}
+
 func TestRotationFallbackAfterBound(t *testing.T) {
 	clk := newClock()
 	rot := &fakeRotator{fn: func(ctx context.Context, _ string) (string, error) {

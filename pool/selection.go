@@ -9,17 +9,21 @@ import (
 
 // filter decides which members of a slice may take a new connection.
 type filter struct {
-	avoid []string // IDs already tried by this connection
-	skip  *host    // one more host to leave out
-	quota bool     // whether upstreams of a service in quota may serve
-	now   int64    // unix ns, read from the clock only when needed
-	clock func() int64
+	avoid   []string // IDs already tried by this connection
+	skip    *host    // one more host to leave out
+	service int      // when not 0, only this service's upstreams
+	quota   bool     // whether upstreams of a service in quota may serve
+	now     int64    // unix ns, read from the clock only when needed
+	clock   func() int64
 }
 
 // eligible reports whether h may take a new connection, without claiming it.
 func (f *filter) eligible(h *host) bool {
 	fl := h.flags.Load()
 	if fl&excluded != 0 || (fl&fQuota != 0 && !f.quota) || h == f.skip {
+		return false
+	}
+	if f.service != 0 && h.cur.Load().Service != f.service {
 		return false
 	}
 	if until := h.ejectedUntil.Load(); until != 0 {
@@ -295,5 +299,5 @@ func (p *Pool) Pick(ctx context.Context, req Request) (*Upstream, error) {
 	if req.Key != "" && p.cfg.Load().StickyMax > 0 {
 		return p.pickSticky(ctx, sl, req)
 	}
-	return p.pickOnce(sl, req.Avoid, nil)
+	return p.pickOnce(sl, req.Avoid, nil, 0)
 }

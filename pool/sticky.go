@@ -227,9 +227,14 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 				}
 				waited = true
 				if !done {
-					// The rotation takes too long: another upstream for
-					// this connection only; the key stays.
-					return p.pickOnce(sl, req.Avoid, h)
+					// The rotation takes too long: another session of
+					// its service for this connection only (or, where
+					// the service has none to give, another upstream of
+					// the listener); the key stays.
+					if u, err := p.pickOnce(sl, req.Avoid, h, h.cur.Load().Service); err == nil {
+						return u, nil
+					}
+					return p.pickOnce(sl, req.Avoid, h, 0)
 				}
 				rotated = r.ok
 				continue
@@ -251,7 +256,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 			if fa := (filter{quota: true, clock: p.fastNow, now: now}); fa.eligible(h) {
 				// Usable, but this connection already tried it.
 				sh.mu.Unlock()
-				return p.pickOnce(sl, req.Avoid, nil)
+				return p.pickOnce(sl, req.Avoid, nil, 0)
 			}
 		}
 		// A new key, or its upstream stopped being usable: (re)assign.
@@ -270,9 +275,10 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 	}
 }
 
-// pickOnce picks without touching the sticky table.
-func (p *Pool) pickOnce(sl *slice, avoid []string, skip *host) (*Upstream, error) {
-	f := filter{avoid: avoid, skip: skip, clock: p.fastNow}
+// pickOnce picks without touching the sticky table; service, when not 0,
+// keeps the pick to that service's upstreams.
+func (p *Pool) pickOnce(sl *slice, avoid []string, skip *host, service int) (*Upstream, error) {
+	f := filter{avoid: avoid, skip: skip, service: service, clock: p.fastNow}
 	h := p.choose(sl, &f)
 	if h == nil {
 		return nil, ErrNoUpstream
