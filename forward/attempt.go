@@ -370,7 +370,7 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 		ctx, stop = context.WithTimeoutCause(ctx, l.cfg.RetryTimeout, errAttemptTimeout)
 		defer stop()
 	}
-	lp := &loop{l: l, j: j, base: ctx, req: pool.Request{Listener: l.cfg.Name, Key: j.key}}
+	lp := &loop{l: l, j: j, base: ctx, req: l.request(j.key)}
 	start := time.Now()
 	a = answerNoUpstream
 	var attempts int
@@ -535,7 +535,7 @@ func (lp *loop) sendHedge(first *try, done chan struct{}) {
 	}
 	if !hedgeable(up, lp.j.key) {
 		l.pool.Report(up, pool.Canceled, 0)
-		l.pool.Release(up)
+		l.pool.Release(up, req)
 		close(done)
 		return
 	}
@@ -638,7 +638,7 @@ func (lp *loop) settle(t *try) {
 func (lp *loop) report(t *try) {
 	lp.l.log.Debug("upstream attempt failed", "upstream", t.up.ID(), "result", t.result.String(), "hedge", t.hedge, "err", t.res.err)
 	lp.l.pool.Report(t.up, t.result, t.res.took)
-	lp.l.pool.Release(t.up)
+	lp.l.pool.Release(t.up, lp.req)
 }
 
 // judge reports the pending attempts with result r, and returns the last
@@ -730,8 +730,19 @@ func (a *answerLog) silent(id string, since time.Time) bool {
 	return false
 }
 
+// request is the pool's Request for a pick of this listener with key, as
+// the pick's Release takes it again.
+func (l *Listener) request(key string) pool.Request {
+	return pool.Request{Listener: l.cfg.Name, Key: key}
+}
+
+// release ends a pick made with key (see Pool).
+func (l *Listener) release(u *pool.Upstream, key string) {
+	l.pool.Release(u, l.request(key))
+}
+
 // openTunnel opens a tunnel to dest through the first upstream that works.
-// On success the caller owns conn and must call l.pool.Release(u) when done;
+// On success the caller owns conn and must call l.release(u, key) when done;
 // otherwise fail is what the client is told.
 func (l *Listener) openTunnel(ctx context.Context, key string, dest socks5.Addr) (conn net.Conn, u *pool.Upstream, retries int, fail *answer) {
 	j := &job{key: key, do: func(ctx context.Context, up *pool.Upstream) tryResult {

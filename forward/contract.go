@@ -11,12 +11,12 @@ import (
 // it; tests use fakes built from function fields.
 //
 // Every successful Pick is followed by exactly one Report (the outcome of
-// dial + handshake, with the time it took) and exactly one Release (when the
-// attempt or the connection it carried is over).
+// dial + handshake, with the time it took) and exactly one Release with the
+// same Request (when the attempt or the connection it carried is over).
 type Pool interface {
 	Pick(ctx context.Context, req pool.Request) (*pool.Upstream, error)
 	Report(u *pool.Upstream, r pool.Result, took time.Duration)
-	Release(u *pool.Upstream)
+	Release(u *pool.Upstream, req pool.Request)
 }
 
 // Outcome is the result class of one client connection, as counted in

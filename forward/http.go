@@ -112,7 +112,7 @@ func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Reques
 	cc.retries.Add(int32(retries))
 	if fail == nil && w.left() {
 		cc.setOutcome(OutcomeClientError)
-		l.abandon(cc, upc, up)
+		l.abandon(cc, upc, up, key)
 		return
 	}
 	// Only the answer's write needs a deadline: nothing is read from the
@@ -125,17 +125,17 @@ func (l *Listener) serveConnect(cc *clientConn, br *bufio.Reader, r *http.Reques
 	}
 	if _, err := io.WriteString(cc, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
 		cc.setOutcome(OutcomeClientError)
-		l.abandon(cc, upc, up)
+		l.abandon(cc, upc, up, key)
 		return
 	}
 	cc.setOutcome(OutcomeOK)
-	l.startRelay(cc, upc, up, pending)
+	l.startRelay(cc, upc, up, key, pending)
 }
 
-// abandon undoes a tunnel that will not be relayed.
-func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream) {
+// abandon undoes a tunnel that will not be relayed; key is its pick's.
+func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream, key string) {
 	_ = upc.Close()
-	l.pool.Release(up)
+	l.release(up, key)
 	_ = cc.Close()
 }
 
@@ -148,15 +148,15 @@ func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream) {
 // the relay's writes then have none: a tunnel whose client neither reads
 // nor sends ends at idle_timeout by its read deadlines, and one whose
 // client keeps sending without reading stays while it sends.
-func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, pending []byte) {
+func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, key string, pending []byte) {
 	if !l.trackUpstream(upc) {
 		cc.setOutcome(OutcomeClientError)
-		l.abandon(cc, upc, up)
+		l.abandon(cc, upc, up, key)
 		return
 	}
 	done := func() {
 		l.untrackUpstream(upc)
-		l.abandon(cc, upc, up)
+		l.abandon(cc, upc, up, key)
 	}
 	raw := upc
 	if pc, ok := upc.(*prefixConn); ok {
@@ -267,7 +267,7 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 	}
 	fail2 := func(o Outcome) {
 		_ = upc.Close()
-		l.pool.Release(up)
+		l.release(up, key)
 		cc.setOutcome(o)
 	}
 	out := req.Clone(hc.ctx)
@@ -318,11 +318,11 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if err := resp.Write(cc); err != nil {
 		cc.setOutcome(OutcomeClientError)
-		l.abandon(cc, upc, up)
+		l.abandon(cc, upc, up, key)
 		return false
 	}
 	upc = withPrefix(upc, br)
 	cc.setOutcome(OutcomeOK)
-	l.startRelay(cc, upc, up, pending)
+	l.startRelay(cc, upc, up, key, pending)
 	return false
 }

@@ -407,7 +407,7 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 	}
 	resp.Body = &releaseBody{ReadCloser: resp.Body, release: func() {
 		w.cancel(nil)
-		l.pool.Release(w.up)
+		l.release(w.up, key)
 	}}
 	if failureStatus(resp.StatusCode) {
 		// A 502, 503 or 504: the destination failed, or an HTTP upstream

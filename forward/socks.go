@@ -69,7 +69,7 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 	cc.retries.Add(int32(retries))
 	if fail == nil && w.left() {
 		cc.setOutcome(OutcomeClientError)
-		l.abandon(cc, upc, up)
+		l.abandon(cc, upc, up, key)
 		return
 	}
 	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
@@ -81,7 +81,7 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 	handedOff = true
 	if err := socks5.WriteReply(cc, socks5.ReplySucceeded, bindAddr(upc)); err != nil {
 		cc.setOutcome(OutcomeClientError)
-		l.abandon(cc, upc, up)
+		l.abandon(cc, upc, up, key)
 		return
 	}
 	cc.setOutcome(OutcomeOK)
@@ -89,7 +89,7 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 	if n := br.Buffered(); n > 0 {
 		pending, _ = br.Peek(n)
 	}
-	l.startRelay(cc, upc, up, pending)
+	l.startRelay(cc, upc, up, key, pending)
 }
 
 // bindAddr is the address reported to the client: our side of the upstream

@@ -66,7 +66,9 @@ type report struct {
 }
 
 // fakePool hands out its upstreams round-robin, skipping avoided ones, and
-// records every Report and Release.
+// records every Report and Release; it counts the picks of each listener
+// and key that are not released yet, so that a Release with another
+// Request than its Pick's shows.
 type fakePool struct {
 	PickFunc func(ctx context.Context, req pool.Request) (*pool.Upstream, error)
 
@@ -78,6 +80,7 @@ type fakePool struct {
 	tooks    []time.Duration // the durations reported, in the order of reports
 	released int
 	picked   int
+	open     map[[2]string]int // listener and key → picks not released
 }
 
 func newFakePool(ups ...*pool.Upstream) *fakePool { return &fakePool{ups: ups} }
@@ -89,6 +92,7 @@ func (p *fakePool) Pick(ctx context.Context, req pool.Request) (*pool.Upstream, 
 			p.mu.Lock()
 			p.picked++
 			p.picks = append(p.picks, req)
+			p.hold(req)
 			p.mu.Unlock()
 		}
 		return u, err
@@ -106,6 +110,7 @@ func (p *fakePool) Pick(ctx context.Context, req pool.Request) (*pool.Upstream, 
 			p.picked++
 			req.Avoid = append([]string(nil), req.Avoid...)
 			p.picks = append(p.picks, req)
+			p.hold(req)
 			return u, nil
 		}
 	}
@@ -125,9 +130,20 @@ func (p *fakePool) Tooks() []time.Duration {
 	return append([]time.Duration(nil), p.tooks...)
 }
 
-func (p *fakePool) Release(*pool.Upstream) {
+func (p *fakePool) hold(req pool.Request) {
+	if p.open == nil {
+		p.open = make(map[[2]string]int)
+	}
+	p.open[[2]string{req.Listener, req.Key}]++
+}
+
+func (p *fakePool) Release(_ *pool.Upstream, req pool.Request) {
 	p.mu.Lock()
 	p.released++
+	k := [2]string{req.Listener, req.Key}
+	if p.open[k]--; p.open[k] == 0 {
+		delete(p.open, k)
+	}
 	p.mu.Unlock()
 }
 
@@ -149,8 +165,8 @@ func (p *fakePool) waitBalanced(t *testing.T) {
 	waitFor(t, 5*time.Second, func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		return p.picked == p.released && len(p.reports) == p.picked
-	}, "pool picks/reports/releases balanced")
+		return p.picked == p.released && len(p.reports) == p.picked && len(p.open) == 0
+	}, "pool picks/reports/releases balanced, each release with its pick's listener and key")
 }
 
 func waitFor(t testing.TB, d time.Duration, cond func() bool, what string) {

@@ -58,7 +58,7 @@ func BenchmarkPick(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					p.Release(u)
+					p.Release(u, all[w][k])
 				}
 			}
 			b.ReportAllocs()
@@ -72,7 +72,7 @@ func BenchmarkPick(b *testing.B) {
 						b.Error(err)
 						return
 					}
-					p.Release(u)
+					p.Release(u, reqs[i])
 					if i++; i == keys {
 						i = 0
 					}
@@ -127,7 +127,7 @@ func benchPicks(b *testing.B, p *Pool, report bool) {
 			if report {
 				p.Report(u, Success, 80*time.Millisecond)
 			}
-			p.Release(u)
+			p.Release(u, req)
 		}
 	})
 }
@@ -203,7 +203,7 @@ func BenchmarkMemory(b *testing.B) {
 				keysHeap := heap()
 				for k := range keys {
 					u, _ := p.Pick(context.Background(), Request{Listener: "http", Key: keys[k]})
-					p.Release(u)
+					p.Release(u, Request{Listener: "http", Key: keys[k]})
 				}
 				after := heap()
 				perUpstream = float64(mid-before) / float64(n)

@@ -135,7 +135,7 @@ func TestConcurrentPickReportUpdateRotate(t *testing.T) {
 						}
 						r := results[rng.IntN(len(results))]
 						p.Report(u, r, time.Duration(rng.IntN(100))*time.Millisecond)
-						p.Release(u)
+						p.Release(u, req)
 						if r == Success || !r.UpstreamFault() {
 							break
 						}

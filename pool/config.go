@@ -56,11 +56,12 @@ type Config struct {
 	// good as the best, so load does not herd onto one upstream. 0 keeps
 	// only the best (and upstreams exactly as fast). Not negative.
 	LatencyTolerance float64 `toml:"latency_tolerance"`
-	// StickyIdle is how long an unused sticky key keeps its upstream.
-	// Positive (sticky_max = 0 is how stickiness is turned off).
+	// StickyIdle is how long a sticky key keeps its upstream with no
+	// connection of it open and no new one picked. Positive (sticky_max =
+	// 0 is how stickiness is turned off).
 	StickyIdle time.Duration `toml:"sticky_idle"`
 	// StickyMax is the size of the sticky table; past it the least recently
-	// used keys are evicted. 0 turns stickiness off: a sticky key is
+	// used keys with no connection open are evicted. 0 turns stickiness off: a sticky key is
 	// accepted and ignored, and each connection takes the strategy's pick.
 	StickyMax int `toml:"sticky_max"`
 	// RotateInterval is the least time between two rotations of one ppr

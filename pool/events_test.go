@@ -103,14 +103,14 @@ func TestEventsOncePerUpstream(t *testing.T) {
 	fail(p, h, 2)
 	h.h.inFlight.Add(1)
 	p.Report(h, HandshakeTimeout, time.Millisecond)
-	p.Release(h)
+	p.Release(h, Request{})
 	fail(p, h, 3)
 	wantEvents(t, events, EventEjected, Event{Kind: EventEjected, Upstream: fpr[1].ID(), Service: 1, Reason: "handshake_timeout"})
 	wantEvents(t, events, EventReadmitted)
 	clk.Advance(time.Hour)
 	u := pickUntil(t, p, Request{Listener: "http"}, fpr[1].ID())
 	p.Report(u, Success, time.Millisecond)
-	p.Release(u)
+	p.Release(u, Request{Listener: "http"})
 	wantEvents(t, events, EventReadmitted, Event{Kind: EventReadmitted, Upstream: fpr[1].ID(), Service: 1})
 
 	// A rotation of the ppr session, then one that fails.
@@ -186,7 +186,7 @@ func TestPanicEvents(t *testing.T) {
 	clk.Advance(time.Second)
 	b.h.inFlight.Add(1)
 	p.Report(b, Success, time.Millisecond)
-	p.Release(b)
+	p.Release(b, Request{})
 	wantEvents(t, events, EventPanicOver, Event{Kind: EventPanicOver, Reason: "one"})
 	wantEvents(t, events, EventPanic, Event{Kind: EventPanic, Reason: "one"})
 	if l := listenerOf(t, p, "one"); l.Panic {
@@ -242,7 +242,7 @@ func TestEjectionRecordsWithoutAllocation(t *testing.T) {
 	allocs := testing.AllocsPerRun(100, func() {
 		u.h.inFlight.Add(1)
 		p.Report(u, DialRefused, time.Millisecond) // ejects
-		p.Release(u)
+		p.Release(u, Request{})
 		ejections++
 		// Readmit it for the next run (an event too).
 		clk.Advance(time.Hour)

@@ -105,10 +105,20 @@ func (p *Pool) Report(u *Upstream, r Result, took time.Duration) {
 	}
 }
 
-// Release ends an attempt or the connection it carried.
-func (p *Pool) Release(u *Upstream) {
+// Release ends an attempt or the connection it carried; req is the
+// Request of its Pick. A sticky key's idle time starts when the last pick
+// of it is released, so that a key does not expire under a connection
+// that outlasts sticky_idle.
+func (p *Pool) Release(u *Upstream, req Request) {
 	if h := u.h; h != nil {
 		h.inFlight.Add(-1)
+	}
+	if req.Key != "" {
+		k := stickyKey{req.Listener, req.Key}
+		sh, hash := p.sticky.locate(k)
+		sh.mu.Lock()
+		sh.release(k, hash, p.fastNow(), p.sticky.perShard.Load())
+		sh.mu.Unlock()
 	}
 }
 

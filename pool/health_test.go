@@ -23,7 +23,7 @@ func TestEjectionCountsOnlyUpstreamFaults(t *testing.T) {
 	report := func(r Result) {
 		u.h.inFlight.Add(1)
 		p.Report(u, r, time.Millisecond)
-		p.Release(u)
+		p.Release(u, Request{})
 	}
 	tests := []struct {
 		results []Result
@@ -89,7 +89,7 @@ func TestEjectionBackoffGrowsToCap(t *testing.T) {
 		// The trial connection fails: ejected again, for longer.
 		trial := pickUntil(t, p, Request{}, u.ID())
 		p.Report(trial, DialTimeout, time.Second)
-		p.Release(trial)
+		p.Release(trial, Request{})
 	}
 	// A success after the ejection re-admits; a long healthy stretch
 	// forgets the history.
@@ -184,14 +184,14 @@ func TestProbingOneTrialAtATime(t *testing.T) {
 			r = Canceled
 		}
 		p.Report(h, r, time.Millisecond)
-		p.Release(h)
+		p.Release(h, Request{})
 	}
 	if s := stateOf(t, p, u.ID()); s.State != Probing {
 		t.Fatalf("after a cancelled trial: %s", s.State)
 	}
 	trial := pickUntil(t, p, Request{}, u.ID())
 	p.Report(trial, Success, time.Millisecond)
-	p.Release(trial)
+	p.Release(trial, Request{})
 	if s := stateOf(t, p, u.ID()); s.State != Healthy || s.InFlight != 0 || s.ConsecutiveFailures != 0 {
 		t.Errorf("after a successful trial: %+v", s)
 	}
@@ -232,7 +232,7 @@ func TestEjectionCapAndPanic(t *testing.T) {
 		u := mustPick(t, p, Request{Listener: "l"})
 		seen[u.ID()] = true
 		p.Report(u, Canceled, 0)
-		p.Release(u)
+		p.Release(u, Request{Listener: "l"})
 	}
 	if !seen[c.ID()] || !seen[d.ID()] || len(seen) != 2 {
 		t.Errorf("in panic, picked %v; want c and d", seen)
@@ -243,7 +243,7 @@ func TestEjectionCapAndPanic(t *testing.T) {
 		t.Errorf("picked %s", u.ID())
 	} else {
 		p.Report(u, Canceled, 0)
-		p.Release(u)
+		p.Release(u, Request{Listener: "l"})
 	}
 	// d recovers: still panic because of c.
 	p.Report(d, Success, time.Millisecond)
@@ -497,7 +497,7 @@ func TestEjectionCapHoldsInEveryOrder(t *testing.T) {
 			t.Errorf("%d of 7 ejected, cap 3", n)
 		}
 		heldIn(t, p, hs[0])
-		p.Release(hs[0])
+		p.Release(hs[0], Request{})
 	})
 }
 
@@ -520,7 +520,7 @@ func TestLateFailureOfExcludedUpstreamDoesNotEject(t *testing.T) {
 	p.SetProviderStatus(1, []string{"10.1.0.2"}, nil)
 	for range 3 {
 		p.Report(c, DialRefused, time.Millisecond)
-		p.Release(c)
+		p.Release(c, Request{})
 	}
 	s := stateOf(t, p, c.ID())
 	if s.State != ProviderError || s.Failures != 3 || s.ConsecutiveFailures != 3 || s.Ejections != 0 || len(hooked) != 9 {
@@ -752,7 +752,7 @@ func TestProbingOneTrialUnderConcurrency(t *testing.T) {
 	}
 	for _, g := range all {
 		p.Report(g, Success, time.Millisecond)
-		p.Release(g)
+		p.Release(g, Request{})
 	}
 	if s := stateOf(t, p, u.ID()); s.State != Healthy || s.InFlight != 0 {
 		t.Errorf("after the trial: %+v", s)

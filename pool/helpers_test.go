@@ -80,7 +80,7 @@ func pickReport(t testing.TB, p *Pool, req Request, r Result) *Upstream {
 		t.Fatalf("Pick(%+v): %v", req, err)
 	}
 	p.Report(u, r, time.Millisecond)
-	p.Release(u)
+	p.Release(u, req)
 	return u
 }
 
@@ -94,7 +94,7 @@ func pickUntil(t testing.TB, p *Pool, req Request, id string) *Upstream {
 			return u
 		}
 		p.Report(u, Canceled, 0)
-		p.Release(u)
+		p.Release(u, req)
 	}
 	t.Fatalf("1000 picks, none of them %s", id)
 	return nil
@@ -137,7 +137,7 @@ func fail(p *Pool, u *Upstream, n int) {
 	for range n {
 		u.h.inFlight.Add(1)
 		p.Report(u, DialRefused, time.Millisecond)
-		p.Release(u)
+		p.Release(u, Request{})
 	}
 }
 

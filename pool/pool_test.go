@@ -362,7 +362,7 @@ func TestUpdateKeepsStateAndDrains(t *testing.T) {
 		t.Errorf("Upstreams() = %d upstreams, [1] password %q", len(got), got[1].Password)
 	}
 	// The held connection ends: the removed upstream leaves.
-	p.Release(gone)
+	p.Release(gone, Request{})
 	for _, u := range p.Explain().Upstreams {
 		if u.ID == set[3].ID() {
 			t.Errorf("drained upstream still listed: %+v", u)

@@ -168,7 +168,7 @@ func TestRotationReleasesWaitingKeys(t *testing.T) {
 	// The key's connection fails; it retries with the session in Avoid.
 	u := mustPick(t, p, Request{Key: key})
 	p.Report(u, DialRefused, time.Millisecond)
-	p.Release(u)
+	p.Release(u, Request{Key: key})
 	<-started
 	if s := stateOf(t, p, ss[0].ID()); s.State != Rotating || s.Reason != "dial_refused" {
 		t.Fatalf("state %s %q, want rotating", s.State, s.Reason)
@@ -212,7 +212,7 @@ func TestRotationReleasesWaitingKeys(t *testing.T) {
 			t.Fatalf("waiting pick: %v %+v", r.err, r.u)
 		}
 		p.Report(r.u, Success, time.Millisecond)
-		p.Release(r.u)
+		p.Release(r.u, Request{Key: key})
 	}
 	if s := stateOf(t, p, ss[0].ID()); s.State != Healthy || s.InFlight != 0 {
 		t.Errorf("after the rotation: %+v", s)
@@ -245,7 +245,7 @@ func TestRotationFallbackStaysWithItsService(t *testing.T) {
 			t.Errorf("fallback to %s, want another session of service 7", u.ID())
 		}
 		p.Report(u, Success, time.Millisecond)
-		p.Release(u)
+		p.Release(u, Request{Key: key})
 	}
 	// The service's other sessions out: any upstream serves the connection.
 	for _, s := range ss[1:] {
@@ -256,7 +256,7 @@ func TestRotationFallbackStaysWithItsService(t *testing.T) {
 		t.Errorf("with no other session to give, fallback to %s, want a static upstream", u.ID())
 	}
 	p.Report(u, Success, time.Millisecond)
-	p.Release(u)
+	p.Release(u, Request{Key: key})
 	if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
 		t.Errorf("key moved off its rotating session")
 	}
@@ -283,7 +283,7 @@ func TestRotationFallbackAfterBound(t *testing.T) {
 		t.Fatalf("fell back to the rotating session")
 	}
 	p.Report(u, Success, time.Millisecond)
-	p.Release(u)
+	p.Release(u, Request{Key: key})
 	// The fallback was for that connection only.
 	if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
 		t.Errorf("key moved off its rotating session")
@@ -327,7 +327,7 @@ func TestRotationFailing(t *testing.T) {
 		t.Fatalf("after a failed rotation: %v after %s", u, took)
 	}
 	p.Report(u, Success, time.Millisecond)
-	p.Release(u)
+	p.Release(u, Request{Key: key})
 
 	// An errored exit IP: the session is rotated and not used meanwhile;
 	// when the rotation fails it is not excluded for that, and its key stays.
@@ -474,7 +474,7 @@ func TestRotationIsPerSession(t *testing.T) {
 		t.Fatalf("the waiting key got %+v", u)
 	} else {
 		p.Report(u, Success, time.Millisecond)
-		p.Release(u)
+		p.Release(u, Request{Key: key})
 	}
 	waitFor(t, "the rotation", func() bool { return len(rs.get()) == 2 })
 	if s := stateOf(t, p, s1h.ID()); s.State != Healthy || s.ExitIP != "203.0.113.51" || s.ConsecutiveFailures != 0 {
@@ -555,7 +555,7 @@ func TestRevivedTwinLeavesRotatingWithItsSession(t *testing.T) {
 			if !seen {
 				t.Errorf("%s never picked again", s0s.ID())
 			}
-			p.Release(tunnel)
+			p.Release(tunnel, Request{})
 		})
 	}
 }
@@ -597,7 +597,7 @@ func TestRotatedEventOncePerUpstreamID(t *testing.T) {
 				if got := asking.h.cur.Load().ExitIP; got != "203.0.113.77" {
 					t.Errorf("draining asker's exit ip %s", got)
 				}
-				p.Release(asking)
+				p.Release(asking, Request{})
 			}
 		})
 	}

@@ -289,15 +289,24 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 // upstream it was first given while that is usable (see pickSticky). It
 // never blocks, except that a key whose ppr session is rotating waits for
 // the rotation up to Config.RotateWait. ErrNoUpstream: nothing is usable.
-// With Config.StickyMax 0 keys are ignored.
+// With Config.StickyMax 0 keys take no part in the choice; a key's pick
+// is still counted in use until its Release, so that the count holds
+// across a reload that turns stickiness on.
 func (p *Pool) Pick(ctx context.Context, req Request) (*Upstream, error) {
 	s := p.snap.Load()
 	sl := s.slice(req.Listener)
 	if sl == nil {
 		return nil, ErrUnknownListener
 	}
-	if req.Key != "" && p.cfg.Load().StickyMax > 0 {
+	if req.Key == "" {
+		return p.pickOnce(sl, req.Avoid, nil, 0)
+	}
+	if p.cfg.Load().StickyMax > 0 {
 		return p.pickSticky(ctx, sl, req)
 	}
-	return p.pickOnce(sl, req.Avoid, nil, 0)
+	u, err := p.pickOnce(sl, req.Avoid, nil, 0)
+	if err == nil {
+		p.holdKey(stickyKey{req.Listener, req.Key}, u.h)
+	}
+	return u, err
 }

@@ -166,7 +166,7 @@ func TestPoolStrategies(t *testing.T) {
 		for _, u := range held {
 			if u.ID() == set[1].ID() {
 				p.Report(u, Success, time.Millisecond)
-				p.Release(u)
+				p.Release(u, Request{})
 			}
 		}
 		for range 2 {
@@ -183,7 +183,7 @@ func TestPoolStrategies(t *testing.T) {
 			u := handle(p, set[i])
 			u.h.inFlight.Add(1)
 			p.Report(u, Success, d*time.Millisecond)
-			p.Release(u)
+			p.Release(u, Request{})
 		}
 		counts := map[string]int{}
 		for range 100 {
@@ -271,7 +271,7 @@ func TestConcurrentPicksSpreadPastEjected(t *testing.T) {
 						}
 						counts[g][u.ID()]++
 						p.Report(u, Success, time.Millisecond)
-						p.Release(u)
+						p.Release(u, Request{})
 					}
 				})
 			}
@@ -365,7 +365,7 @@ func TestPickDoesNotAllocate(t *testing.T) {
 		ctx := context.Background()
 		for _, req := range []Request{{Listener: "http"}, {Listener: "http", Key: "user\x00k1"}, {Listener: "http", Avoid: []string{"1/http/10.1.0.0:8080"}}} {
 			u, _ := p.Pick(ctx, req) // assigns the key
-			p.Release(u)
+			p.Release(u, req)
 			avoid := make([]string, 0, 1)
 			allocs := testing.AllocsPerRun(200, func() {
 				u, err := p.Pick(ctx, req)
@@ -374,7 +374,7 @@ func TestPickDoesNotAllocate(t *testing.T) {
 				}
 				avoid = append(avoid[:0], u.ID()) // as forward does for a retry
 				p.Report(u, Success, time.Millisecond)
-				p.Release(u)
+				p.Release(u, req)
 			})
 			if allocs != 0 {
 				t.Errorf("%s %+v: %.1f allocs per pick", strategy, req, allocs)
@@ -392,7 +392,7 @@ func TestLatencyBandFollowsHealth(t *testing.T) {
 		u := handle(p, set[i])
 		u.h.inFlight.Add(1)
 		p.Report(u, Success, d*time.Millisecond)
-		p.Release(u)
+		p.Release(u, Request{})
 	}
 	if u := pickReport(t, p, Request{}, Canceled); u.ID() != set[0].ID() {
 		t.Fatalf("picked %s, want the fastest", u.ID())

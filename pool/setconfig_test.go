@@ -29,7 +29,7 @@ func TestSetConfigKeepsState(t *testing.T) {
 	}
 	keyed := mustPick(t, p, Request{Listener: "http", Key: "user\x00k"})
 	p.Report(keyed, Success, time.Millisecond)
-	p.Release(keyed)
+	p.Release(keyed, Request{Listener: "http", Key: "user\x00k"})
 	fail(p, handle(p, set[3]), 1)
 
 	// Round robin ignores connections in flight: a held upstream comes
@@ -70,7 +70,7 @@ func TestSetConfigKeepsState(t *testing.T) {
 		}
 	}
 	p.Report(held, Success, time.Millisecond)
-	p.Release(held)
+	p.Release(held, Request{Listener: "http"})
 	// The ejection stays as it was; the sticky key keeps its upstream.
 	if after := stateOf(t, p, set[0].ID()); after.State != Ejected || *after.EjectedUntil != *before.EjectedUntil || after.Failures != 3 {
 		t.Errorf("ejection changed by SetConfig: before %+v, after %+v", before, after)
@@ -243,7 +243,7 @@ func TestSetConfigConcurrent(t *testing.T) {
 					continue
 				}
 				p.Report(u, []Result{Success, Success, DialRefused}[rng.IntN(3)], time.Millisecond)
-				p.Release(u)
+				p.Release(u, req)
 			}
 		}()
 	}

@@ -18,14 +18,19 @@ type stickyEntry struct {
 	k          stickyKey
 	hash       uint64
 	h          *host
-	used       int64 // unix ns of the last pick
-	prev, next *stickyEntry
+	used       int64        // unix ns of the last pick, or of the last release that left it unused
+	open       int          // picks of the key not yet released; while > 0 the entry is off the list
+	prev, next *stickyEntry // the shard's list of unused entries
 	chain      *stickyEntry // the next entry with the same hash
 }
 
-// stickyShard is one lock's worth of the table, with its entries in a list
-// from most (head) to least (tail) recently used. Entries are indexed by the
-// key's hash, which the shard choice computes anyway; equal hashes chain.
+// stickyShard is one lock's worth of the table. Its entries are indexed by
+// the key's hash, which the shard choice computes anyway; equal hashes
+// chain. The entries of keys no connection uses (open 0) are in a list from
+// most (head) to least (tail) recently used, which eviction and expiry take
+// from the tail; a key in use is off the list, so it neither idles out nor
+// is evicted under a long connection, and n counts it. While it is in use
+// its entry stays the one Release finds for its key.
 type stickyShard struct {
 	mu         sync.Mutex
 	m          map[uint64]*stickyEntry
@@ -37,6 +42,8 @@ type stickyShard struct {
 // stickyTable maps keys to hosts, bounded in size and idle time. Each shard
 // holds max/len(shards) keys and evicts its least recently used one; small
 // tables have a single shard, so their eviction is exactly the oldest key.
+// Keys in use are never evicted: a shard holds more than its share only
+// while that many keys have connections open.
 type stickyTable struct {
 	seed     maphash.Seed
 	shards   []stickyShard
@@ -58,7 +65,8 @@ func newStickyTable(max int) *stickyTable {
 }
 
 // resize bounds the table to max keys, evicting the least recently used
-// ones past it. The number of shards stays what the first size made it.
+// unused ones past it (keys in use stay until released). The number of
+// shards stays what the first size made it.
 func (t *stickyTable) resize(max int) {
 	n := len(t.shards)
 	per := (max + n - 1) / n
@@ -66,7 +74,7 @@ func (t *stickyTable) resize(max int) {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		for s.n > per {
+		for s.n > per && s.tail != nil {
 			s.remove(s.tail)
 		}
 		s.mu.Unlock()
@@ -119,16 +127,43 @@ func (s *stickyShard) get(k stickyKey, hash uint64, now, idle int64) *stickyEntr
 	if e == nil {
 		return nil
 	}
-	if now-e.used >= idle {
-		s.remove(e)
-		return nil
-	}
-	if e.used != now && s.head != e { // the hot path's clock ticks: at most one move per tick
-		s.unlink(e)
-		s.pushFront(e)
+	if e.open == 0 {
+		if now-e.used >= idle {
+			s.remove(e)
+			return nil
+		}
+		if e.used != now && s.head != e { // the hot path's clock ticks: at most one move per tick
+			s.unlink(e)
+			s.pushFront(e)
+		}
 	}
 	e.used = now
 	return e
+}
+
+// hold counts one more pick of e's key in use, taking e off the list.
+func (s *stickyShard) hold(e *stickyEntry) {
+	if e.open == 0 {
+		s.unlink(e)
+	}
+	e.open++
+}
+
+// release counts one pick of k's key over; the last one puts its entry back
+// on the list as used at now, evicting past max as add does.
+func (s *stickyShard) release(k stickyKey, hash uint64, now, max int64) {
+	e := s.find(k, hash)
+	if e == nil || e.open == 0 {
+		return // a Release without its Pick: nothing to count
+	}
+	e.open--
+	if e.open == 0 {
+		e.used = now
+		s.pushFront(e)
+		for int64(s.n) > max && s.tail != nil {
+			s.remove(s.tail)
+		}
+	}
 }
 
 func (s *stickyShard) remove(e *stickyEntry) {
@@ -149,14 +184,16 @@ func (s *stickyShard) remove(e *stickyEntry) {
 	e.chain = nil
 }
 
-func (s *stickyShard) add(k stickyKey, hash uint64, h *host, now int64, max int64) {
-	e := &stickyEntry{k: k, hash: hash, h: h, used: now, chain: s.m[hash]}
+// add enters k, assigned to h and held (see hold), evicting the least
+// recently used unused keys past max.
+func (s *stickyShard) add(k stickyKey, hash uint64, h *host, now int64, max int64) *stickyEntry {
+	e := &stickyEntry{k: k, hash: hash, h: h, used: now, open: 1, chain: s.m[hash]}
 	s.m[hash] = e
 	s.n++
-	s.pushFront(e)
 	for int64(s.n) > max && s.tail != nil {
 		s.remove(s.tail)
 	}
+	return e
 }
 
 // expire drops entries idle since before now-idle.
@@ -196,7 +233,8 @@ func (t *stickyTable) lookup(listener, key string) *host {
 // strategy's pick. A key whose ppr session is rotating waits for the
 // rotation up to RotateWait, then uses another upstream for this one
 // connection. A key whose upstream this connection already tried (Avoid)
-// also uses another one for this connection only.
+// also uses another one for this connection only. Every pick it returns
+// holds the key's entry until its Release (see stickyShard).
 func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstream, error) {
 	k := stickyKey{req.Listener, req.Key}
 	sh, hash := p.sticky.locate(k)
@@ -216,8 +254,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 				fh.avoid = nil
 			}
 			if fh.eligible(h) && take(h) {
-				sh.mu.Unlock()
-				return h.cur.Load(), nil
+				return sh.held(e, h)
 			}
 			if r := h.rotation(); r != nil && !waited {
 				sh.mu.Unlock()
@@ -230,11 +267,15 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 					// The rotation takes too long: another session of
 					// its service for this connection only (or, where
 					// the service has none to give, another upstream of
-					// the listener); the key stays.
-					if u, err := p.pickOnce(sl, req.Avoid, h, h.cur.Load().Service); err == nil {
-						return u, nil
+					// the listener); the key stays on h.
+					u, err := p.pickOnce(sl, req.Avoid, h, h.cur.Load().Service)
+					if err != nil {
+						u, err = p.pickOnce(sl, req.Avoid, h, 0)
 					}
-					return p.pickOnce(sl, req.Avoid, h, 0)
+					if err == nil {
+						p.holdKey(k, h)
+					}
+					return u, err
 				}
 				rotated = r.ok
 				continue
@@ -245,18 +286,20 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 				alt := filter{avoid: req.Avoid, clock: p.fastNow, now: now}
 				if a := p.chooseOnce(sl, &alt); a != nil {
 					e.h = a
-					sh.mu.Unlock()
-					return a.cur.Load(), nil
+					return sh.held(e, a)
 				}
 				if take(h) {
-					sh.mu.Unlock()
-					return h.cur.Load(), nil
+					return sh.held(e, h)
 				}
 			}
 			if fa := (filter{quota: true, clock: p.fastNow, now: now}); fa.eligible(h) {
 				// Usable, but this connection already tried it.
+				u, err := p.pickOnce(sl, req.Avoid, nil, 0)
+				if err == nil {
+					sh.hold(e)
+				}
 				sh.mu.Unlock()
-				return p.pickOnce(sl, req.Avoid, nil, 0)
+				return u, err
 			}
 		}
 		// A new key, or its upstream stopped being usable: (re)assign.
@@ -267,12 +310,33 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 		}
 		if e != nil {
 			e.h = h
-		} else {
-			sh.add(k, hash, h, now, p.sticky.perShard.Load())
+			return sh.held(e, h)
 		}
+		sh.add(k, hash, h, now, p.sticky.perShard.Load())
 		sh.mu.Unlock()
 		return h.cur.Load(), nil
 	}
+}
+
+// held holds e for a pick of h, unlocks the shard and returns the pick.
+func (s *stickyShard) held(e *stickyEntry, h *host) (*Upstream, error) {
+	s.hold(e)
+	s.mu.Unlock()
+	return h.cur.Load(), nil
+}
+
+// holdKey holds k's entry for a pick made with its shard unlocked,
+// entering k on h if it is not there (it went meanwhile, or stickiness is
+// off), so that the pick's Release finds it.
+func (p *Pool) holdKey(k stickyKey, h *host) {
+	sh, hash := p.sticky.locate(k)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if e := sh.get(k, hash, p.fastNow(), int64(p.cfg.Load().StickyIdle)); e != nil {
+		sh.hold(e)
+		return
+	}
+	sh.add(k, hash, h, p.fastNow(), p.sticky.perShard.Load())
 }
 
 // pickOnce picks without touching the sticky table; service, when not 0,

@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -187,6 +188,7 @@ func TestStickyShardHashCollisions(t *testing.T) {
 			hash = 8
 		}
 		s.add(k, hash, hs[i], int64(i+1), 10)
+		s.release(k, hash, int64(i+1), 10)
 	}
 	for i, k := range keys[:3] {
 		if e := s.get(k, 7, 10, 100); e == nil || e.h != hs[i] {
@@ -206,4 +208,134 @@ func TestStickyShardHashCollisions(t *testing.T) {
 	if s.get(keys[3], 8, 1000, 100) != nil || s.n != 0 || s.head != nil {
 		t.Errorf("idle entry kept")
 	}
+}
+
+// A key with a connection open neither idles out nor is evicted, however
+// long the connection lasts; its idle time starts when the last of its
+// connections ends.
+func TestStickyKeyInUseStays(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, conf(func(c *Config) { c.StickyMax = 3; c.StickyIdle = time.Minute }), Options{Now: clk.Now})
+	p.Update(ups(1, 5))
+	long := Request{Key: "long"}
+	u := mustPick(t, p, long) // a tunnel that stays open
+	p.Report(u, Success, time.Millisecond)
+	clk.Advance(2 * time.Minute)
+	p.sweep()
+	if h := p.sticky.lookup("", "long"); h == nil || h.id != u.ID() {
+		t.Fatalf("a key in use expired in the sweep")
+	}
+	clk.Advance(2 * time.Minute)
+	if again := pickReport(t, p, long, Success); again.ID() != u.ID() {
+		t.Fatalf("a second connection of the key in use got %s, want %s", again.ID(), u.ID())
+	}
+	// New keys fill the table past it: the key in use is not evicted.
+	for _, k := range []string{"b", "c", "d", "e"} {
+		pickReport(t, p, Request{Key: k}, Success)
+		clk.Advance(time.Millisecond)
+	}
+	if p.sticky.lookup("", "long") == nil || p.sticky.lookup("", "b") != nil || p.sticky.lookup("", "c") != nil {
+		t.Fatalf("eviction took the key in use, or kept the oldest unused keys")
+	}
+	if n := p.sticky.len(); n != 3 {
+		t.Errorf("table holds %d keys, want 3", n)
+	}
+	p.Release(u, long)
+	clk.Advance(59 * time.Second)
+	p.sweep()
+	if p.sticky.lookup("", "long") == nil {
+		t.Fatalf("expired less than sticky_idle after its connection ended")
+	}
+	clk.Advance(2 * time.Second)
+	p.sweep()
+	if p.sticky.lookup("", "long") != nil {
+		t.Errorf("kept past sticky_idle after its connection ended")
+	}
+}
+
+// Keys held past the table's size leave it, least recently released
+// first, as their connections end; a Release whose Pick was made with
+// stickiness off changes nothing.
+func TestStickyKeysHeldPastTheSize(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, conf(func(c *Config) { c.StickyMax = 2 }), Options{Now: clk.Now})
+	p.Update(ups(1, 5))
+	var held []*Upstream
+	for _, k := range []string{"a", "b", "c"} {
+		held = append(held, mustPick(t, p, Request{Key: k}))
+	}
+	if n := p.sticky.len(); n != 3 {
+		t.Fatalf("table holds %d keys in use, want all 3", n)
+	}
+	for i, k := range []string{"a", "b", "c"} {
+		p.Report(held[i], Success, time.Millisecond)
+		p.Release(held[i], Request{Key: k})
+		clk.Advance(time.Millisecond)
+	}
+	if n := p.sticky.len(); n != 2 || p.sticky.lookup("", "a") != nil {
+		t.Fatalf("after the releases: %d keys, a kept %v", n, p.sticky.lookup("", "a") != nil)
+	}
+	// Stickiness off, then on again: the old pick's Release leaves the
+	// new connection's key held.
+	if err := p.SetConfig(conf(func(c *Config) { c.StickyMax = 0 })); err != nil {
+		t.Fatal(err)
+	}
+	unheld := mustPick(t, p, Request{Key: "x"})
+	if err := p.SetConfig(conf(func(c *Config) { c.StickyMax = 2 })); err != nil {
+		t.Fatal(err)
+	}
+	x := mustPick(t, p, Request{Key: "x"})
+	p.Release(unheld, Request{Key: "x"})
+	for _, k := range []string{"y", "z"} {
+		pickReport(t, p, Request{Key: k}, Success)
+	}
+	if p.sticky.lookup("", "x") == nil {
+		t.Errorf("a key in use was evicted after a Release its Pick had not counted")
+	}
+	p.Release(x, Request{Key: "x"})
+}
+
+// A key whose rotation outlasts rotate_wait is in use by the connection
+// that fell back to another session: it stays on its session, entered
+// again if the table dropped it during the wait.
+func TestStickyFallbackHoldsTheKey(t *testing.T) {
+	clk := newClock()
+	rot := &fakeRotator{fn: func(ctx context.Context, _ string) (string, error) {
+		<-ctx.Done() // never answers; Run's end cancels it
+		return "", ctx.Err()
+	}}
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = 200 * time.Millisecond; c.StickyMax = 1; c.StickyIdle = time.Minute }),
+		Options{Now: clk.Now, Rotator: rot})
+	ss := sessions(7, 3, "198.51.100.1")
+	p.Update(ss)
+	key := stickyOn(t, p, ss[0].ID())
+	fail(p, handle(p, ss[0]), 1) // its rotation starts, and never ends
+	got := make(chan *Upstream, 1)
+	go func() {
+		u, err := p.Pick(context.Background(), Request{Key: key})
+		if err != nil {
+			t.Error(err)
+		}
+		got <- u
+	}()
+	r := rotationOf(handle(p, ss[0]))
+	waitFor(t, "the key's pick to wait", func() bool { return r.waiting.Load() == 1 })
+	pickReport(t, p, Request{Key: "other"}, Success) // evicts the waiting key
+	if p.sticky.lookup("", key) != nil {
+		t.Fatalf("the waiting key was not evicted: the test does not test")
+	}
+	u := <-got
+	if u == nil || u.ID() == ss[0].ID() {
+		t.Fatalf("fallback: %+v", u)
+	}
+	if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
+		t.Fatalf("the key is not on its session after the fallback")
+	}
+	clk.Advance(2 * time.Minute)
+	p.sweep()
+	if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
+		t.Errorf("the fallback connection's key expired under it")
+	}
+	p.Report(u, Success, time.Millisecond)
+	p.Release(u, Request{Key: key})
 }
