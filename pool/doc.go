@@ -13,8 +13,9 @@
 // it failing upstreams stay in and the listener is in panic mode.
 // Strategies (round-robin, random, least-conn, latency) are pure functions
 // over an immutable snapshot that Pick reads through an atomic pointer;
-// per-upstream state is atomics. Sticky keys live in a bounded, sharded
-// table; a failing ppr sticky session, or one whose exit IP is errored, is
+// per-upstream state is atomics. Sticky keys live in a sharded table
+// bounded in size and idle time, except that a key with a connection open
+// stays; a failing ppr sticky session, or one whose exit IP is errored, is
 // rotated through a Rotator, once for all of its upstreams (one per
 // protocol it can be dialed with, or none: an UnservedSession).
 //

@@ -166,8 +166,9 @@ func (p *Pool) notifyChanged() {
 // and, if it is good, applies it to the next pick. The strategy, the health
 // options (failure_threshold, the ejection times and cap, the latency band),
 // the quota headroom (every service's quota state is evaluated again), the
-// sticky limits (a smaller sticky_max evicts the least recently used keys;
-// 0 drops them all) and the rotation and probe options all take effect;
+// sticky limits (a smaller sticky_max evicts the least recently used keys
+// with no connection open; 0 drops them all, those in use as their
+// connections end) and the rotation and probe options all take effect;
 // upstreams keep their health state, ejections and sticky assignments. An
 // ejection under way keeps the end it was given, unless a lower
 // max_ejected_percent leaves no room for it: then it ends at once and its

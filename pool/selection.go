@@ -290,8 +290,9 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 // never blocks, except that a key whose ppr session is rotating waits for
 // the rotation up to Config.RotateWait. ErrNoUpstream: nothing is usable.
 // With Config.StickyMax 0 keys take no part in the choice; a key's pick
-// is still counted in use until its Release, so that the count holds
-// across a reload that turns stickiness on.
+// is still counted in use until its Release (a shard lock and a table
+// entry for the while), so that the count holds across a reload that
+// turns stickiness on.
 func (p *Pool) Pick(ctx context.Context, req Request) (*Upstream, error) {
 	s := p.snap.Load()
 	sl := s.slice(req.Listener)

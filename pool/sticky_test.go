@@ -254,8 +254,9 @@ func TestStickyKeyInUseStays(t *testing.T) {
 }
 
 // Keys held past the table's size leave it, least recently released
-// first, as their connections end; a Release whose Pick was made with
-// stickiness off changes nothing.
+// first, as their connections end. A pick made with stickiness off counts
+// its key in use too, so that its Release after a reload that turns
+// stickiness on does not take another connection's count.
 func TestStickyKeysHeldPastTheSize(t *testing.T) {
 	clk := newClock()
 	p := newTestPool(t, conf(func(c *Config) { c.StickyMax = 2 }), Options{Now: clk.Now})
@@ -280,17 +281,17 @@ func TestStickyKeysHeldPastTheSize(t *testing.T) {
 	if err := p.SetConfig(conf(func(c *Config) { c.StickyMax = 0 })); err != nil {
 		t.Fatal(err)
 	}
-	unheld := mustPick(t, p, Request{Key: "x"})
+	offPick := mustPick(t, p, Request{Key: "x"})
 	if err := p.SetConfig(conf(func(c *Config) { c.StickyMax = 2 })); err != nil {
 		t.Fatal(err)
 	}
 	x := mustPick(t, p, Request{Key: "x"})
-	p.Release(unheld, Request{Key: "x"})
+	p.Release(offPick, Request{Key: "x"})
 	for _, k := range []string{"y", "z"} {
 		pickReport(t, p, Request{Key: k}, Success)
 	}
 	if p.sticky.lookup("", "x") == nil {
-		t.Errorf("a key in use was evicted after a Release its Pick had not counted")
+		t.Errorf("a key in use was evicted after the Release of a pick made with stickiness off")
 	}
 	p.Release(x, Request{Key: "x"})
 }
