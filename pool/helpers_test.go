@@ -100,6 +100,20 @@ func pickUntil(t testing.TB, p *Pool, req Request, id string) *Upstream {
 	return nil
 }
 
+// pickLater picks on a goroutine of its own (a pick that waits for a
+// rotation) and sends what it got: nil after an error, which it reports.
+func pickLater(t testing.TB, p *Pool, req Request) <-chan *Upstream {
+	got := make(chan *Upstream, 1)
+	go func() {
+		u, err := p.Pick(context.Background(), req)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- u
+	}()
+	return got
+}
+
 func mustPick(t testing.TB, p *Pool, req Request) *Upstream {
 	t.Helper()
 	u, err := p.Pick(context.Background(), req)

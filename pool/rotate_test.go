@@ -312,11 +312,7 @@ func TestRotationFailing(t *testing.T) {
 	// and stay on their session, which is not excluded by one failure.
 	key := stickyOn(t, p, ss[0].ID())
 	fail(p, handle(p, ss[0]), 1)
-	got := make(chan *Upstream, 1)
-	go func() {
-		u, _ := p.Pick(context.Background(), Request{Key: key})
-		got <- u
-	}()
+	got := pickLater(t, p, Request{Key: key})
 	waitFor(t, "the rotation to start", func() bool { return rot.count() == 1 })
 	r := rotationOf(handle(p, ss[0]))
 	waitFor(t, "the pick to wait", func() bool { return r.waiting.Load() == 1 })
@@ -456,14 +452,7 @@ func TestRotationIsPerSession(t *testing.T) {
 			t.Fatalf("picked %s of the rotating session", u.ID())
 		}
 	}
-	got := make(chan *Upstream, 1)
-	go func() {
-		u, err := p.Pick(context.Background(), Request{Key: key})
-		if err != nil {
-			t.Error(err)
-		}
-		got <- u
-	}()
+	got := pickLater(t, p, Request{Key: key})
 	r := rotationOf(handle(p, s1s))
 	if r == nil {
 		t.Fatal("no rotation under way for the twin")

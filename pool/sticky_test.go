@@ -311,14 +311,7 @@ func TestStickyFallbackHoldsTheKey(t *testing.T) {
 	p.Update(ss)
 	key := stickyOn(t, p, ss[0].ID())
 	fail(p, handle(p, ss[0]), 1) // its rotation starts, and never ends
-	got := make(chan *Upstream, 1)
-	go func() {
-		u, err := p.Pick(context.Background(), Request{Key: key})
-		if err != nil {
-			t.Error(err)
-		}
-		got <- u
-	}()
+	got := pickLater(t, p, Request{Key: key})
 	r := rotationOf(handle(p, ss[0]))
 	waitFor(t, "the key's pick to wait", func() bool { return r.waiting.Load() == 1 })
 	pickReport(t, p, Request{Key: "other"}, Success) // evicts the waiting key
