@@ -67,8 +67,10 @@ func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 	if src != nil {
 		c.collectPool(ch, src(), services, listeners)
 	}
-	if account.Known {
+	if account.CreditKnown {
 		ch <- prometheus.MustNewConstMetric(c.credit, prometheus.GaugeValue, account.Credit)
+	}
+	if account.InvoicesKnown {
 		ch <- prometheus.MustNewConstMetric(c.unpaid, prometheus.GaugeValue, float64(account.UnpaidInvoices))
 		ch <- prometheus.MustNewConstMetric(c.unpaidUSD, prometheus.GaugeValue, account.UnpaidUSD)
 	}

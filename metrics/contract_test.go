@@ -138,7 +138,7 @@ func TestConcurrentUse(t *testing.T) {
 		m.ListUpdate(101+i%2, "ok")
 	})
 	worker(func(i int) {
-		m.SetAccount(Account{Known: true, Credit: float64(i), UnpaidInvoices: i % 3, UnpaidUSD: float64(i), Services: []ServiceInfo{{ID: 101, Product: "p", Kind: "fpr", Status: "Active"}}})
+		m.SetAccount(Account{CreditKnown: true, InvoicesKnown: true, Credit: float64(i), UnpaidInvoices: i % 3, UnpaidUSD: float64(i), Services: []ServiceInfo{{ID: 101, Product: "p", Kind: "fpr", Status: "Active"}}})
 		m.SetServices([]int{101, 202 + i%2})
 		m.AddListener("socks")
 		m.SetListeners([]string{"http", "socks"}[:1+i%2]) // retires socks every other round

@@ -93,8 +93,12 @@ func (o Options) Validate() error {
 // Account is the provider-side view of the account that the agent polls.
 // Until Known, none of its metrics is exposed: unknown is not zero.
 type Account struct {
-	Credit float64 // USD
-	Known  bool    // the account has been read at least once
+	Credit      float64 // USD
+	CreditKnown bool    // the credit has been read at least once
+	// InvoicesKnown: the invoices have been read at least once. Each of
+	// the two is shown only once known: a 0 for invoices that could not
+	// be read would hide unpaid ones.
+	InvoicesKnown bool
 	// UnpaidInvoices counts the account's unpaid invoices: those whose
 	// status is Unpaid or Collections (Payment Pending is not unpaid). An
 	// unpaid invoice is how the provider comes to suspend a service, which

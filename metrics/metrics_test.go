@@ -137,7 +137,7 @@ func scriptedRun(m *Metrics) {
 	m.APIRequest("/api/billing/credit", "503", 50*time.Millisecond)
 	m.APIRequest("/api/sticky/rotate/{id}/{server}/{session}", "429", 80*time.Millisecond)
 
-	m.SetAccount(Account{Credit: 42.5, Known: true, UnpaidInvoices: 2, UnpaidUSD: 13.5, Services: []ServiceInfo{
+	m.SetAccount(Account{Credit: 42.5, CreditKnown: true, InvoicesKnown: true, UnpaidInvoices: 2, UnpaidUSD: 13.5, Services: []ServiceInfo{
 		{ID: 101, Product: "Static Datacenter 10", Kind: "fpr", Status: "Active", Due: epoch.Add(30 * 24 * time.Hour)},
 		{ID: 202, Product: "Rotating Residential 5 GB", Kind: "ppr", Status: "Active", Due: epoch.Add(2 * 24 * time.Hour)},
 	}})
@@ -409,8 +409,8 @@ proxyd_listener_usable_upstreams{listener="socks"} 0
 	}
 
 	// Service info is rebuilt from the last account only.
-	m.SetAccount(Account{Known: true, Credit: 1, Services: []ServiceInfo{{ID: 101, Product: "A", Kind: "fpr", Status: "Active"}, {ID: 202, Product: "B", Kind: "ppr", Status: "Active", Due: epoch}}})
-	m.SetAccount(Account{Known: true, Credit: 2, Services: []ServiceInfo{{ID: 101, Product: "A", Kind: "fpr", Status: "Suspended"}}})
+	m.SetAccount(Account{CreditKnown: true, InvoicesKnown: true, Credit: 1, Services: []ServiceInfo{{ID: 101, Product: "A", Kind: "fpr", Status: "Active"}, {ID: 202, Product: "B", Kind: "ppr", Status: "Active", Due: epoch}}})
+	m.SetAccount(Account{CreditKnown: true, InvoicesKnown: true, Credit: 2, Services: []ServiceInfo{{ID: 101, Product: "A", Kind: "fpr", Status: "Suspended"}}})
 	check("proxyd_service_info", `
 # HELP proxyd_service_info Always 1 for each service of the account; the labels describe it.
 # TYPE proxyd_service_info gauge
@@ -552,10 +552,25 @@ func TestUnpaidInvoices(t *testing.T) {
 	if got := countSeries(t, reg, "proxyd_invoices_unpaid", "proxyd_invoices_unpaid_usd"); got != 0 {
 		t.Errorf("before the account is known: %d series, want 0", got)
 	}
-	m.SetAccount(Account{Known: true, UnpaidInvoices: 3, UnpaidUSD: 27.25})
+	m.SetAccount(Account{CreditKnown: true, InvoicesKnown: true, UnpaidInvoices: 3, UnpaidUSD: 27.25})
 	check("three unpaid", "proxyd_invoices_unpaid 3\nproxyd_invoices_unpaid_usd 27.25\n")
-	m.SetAccount(Account{Known: true, Credit: 5})
+	m.SetAccount(Account{CreditKnown: true, InvoicesKnown: true, Credit: 5})
 	check("paid", "proxyd_invoices_unpaid 0\nproxyd_invoices_unpaid_usd 0\n")
+	// The credit read, the invoices not (their endpoint failed so far): no
+	// invoice series, rather than a 0 that would hide unpaid ones; and the
+	// other way round.
+	m.SetAccount(Account{CreditKnown: true, Credit: 5})
+	if got := countSeries(t, reg, "proxyd_invoices_unpaid", "proxyd_invoices_unpaid_usd"); got != 0 {
+		t.Errorf("invoices not read: %d invoice series, want 0", got)
+	}
+	if got := countSeries(t, reg, "proxyd_account_credit_usd"); got != 1 {
+		t.Errorf("credit read: %d credit series, want 1", got)
+	}
+	m.SetAccount(Account{InvoicesKnown: true, UnpaidInvoices: 1, UnpaidUSD: 3.5})
+	check("credit not read", "proxyd_invoices_unpaid 1\nproxyd_invoices_unpaid_usd 3.5\n")
+	if got := countSeries(t, reg, "proxyd_account_credit_usd"); got != 0 {
+		t.Errorf("credit not read: %d credit series, want 0", got)
+	}
 }
 
 func TestConfigReloadAndState(t *testing.T) {

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/proxyd/proxyd/agent"
 	"github.com/proxyd/proxyd/pool"
 )
 
@@ -255,10 +256,24 @@ func (d *daemon) servePool(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ans := poolAnswer{Explanation: ex}
-	if snap := d.poller.Snapshot(); snap.CreditKnown || snap.InvoicesKnown {
-		ans.Account = &accountSummary{CreditUSD: snap.Credit, UnpaidInvoices: snap.UnpaidInvoices, UnpaidUSD: snap.UnpaidUSD}
-	}
+	ans.Account = summarizeAccount(d.poller.Snapshot())
 	writeJSON(w, ans)
+}
+
+// summarizeAccount is /pool's account part: what has been read of it, nil
+// before anything has.
+func summarizeAccount(snap agent.Snapshot) *accountSummary {
+	if !snap.CreditKnown && !snap.InvoicesKnown {
+		return nil
+	}
+	a := &accountSummary{}
+	if snap.CreditKnown {
+		a.CreditUSD = &snap.Credit
+	}
+	if snap.InvoicesKnown {
+		a.UnpaidInvoices, a.UnpaidUSD = &snap.UnpaidInvoices, &snap.UnpaidUSD
+	}
+	return a
 }
 
 func writeJSON(w http.ResponseWriter, v any) {

@@ -478,8 +478,8 @@ func (d *daemon) apply(agent.Snapshot) {
 		d.pool.SetUsage(id, 0, 0)
 	}
 	account := metrics.Account{
-		Credit: s.Credit, Known: s.CreditKnown,
-		UnpaidInvoices: s.UnpaidInvoices, UnpaidUSD: s.UnpaidUSD,
+		Credit: s.Credit, CreditKnown: s.CreditKnown,
+		UnpaidInvoices: s.UnpaidInvoices, UnpaidUSD: s.UnpaidUSD, InvoicesKnown: s.InvoicesKnown,
 	}
 	for _, st := range s.Services {
 		if st.ErroredKnown || st.InactiveKnown {

@@ -233,21 +233,30 @@ type poolAnswer struct {
 	Account *accountSummary `json:"account,omitempty"`
 }
 
+// accountSummary holds what has been read of the account: the credit and
+// the invoices come from two endpoints, and a part not read yet (its
+// endpoint failing so far) is left out rather than shown as 0.
 type accountSummary struct {
-	CreditUSD      float64 `json:"credit_usd"`
-	UnpaidInvoices int     `json:"unpaid_invoices"`
-	UnpaidUSD      float64 `json:"unpaid_usd"`
+	CreditUSD      *float64 `json:"credit_usd,omitempty"`
+	UnpaidInvoices *int     `json:"unpaid_invoices,omitempty"`
+	UnpaidUSD      *float64 `json:"unpaid_usd,omitempty"`
 }
 
 // renderAccount is the summary line of the account under the pool table.
 func renderAccount(w io.Writer, a accountSummary) error {
+	credit := "credit not read yet"
+	if a.CreditUSD != nil {
+		credit = fmt.Sprintf("credit %.2f USD", *a.CreditUSD)
+	}
 	var err error
-	switch a.UnpaidInvoices {
-	case 0:
-		_, err = fmt.Fprintf(w, "account: credit %.2f USD; no unpaid invoice\n", a.CreditUSD)
+	switch {
+	case a.UnpaidInvoices == nil:
+		_, err = fmt.Fprintf(w, "account: %s; invoices not read yet\n", credit)
+	case *a.UnpaidInvoices == 0:
+		_, err = fmt.Fprintf(w, "account: %s; no unpaid invoice\n", credit)
 	default:
-		_, err = fmt.Fprintf(w, "account: credit %.2f USD; %s (%.2f USD): pay before the provider suspends services\n",
-			a.CreditUSD, count(a.UnpaidInvoices, "unpaid invoice"), a.UnpaidUSD)
+		_, err = fmt.Fprintf(w, "account: %s; %s (%.2f USD): pay before the provider suspends services\n",
+			credit, count(*a.UnpaidInvoices, "unpaid invoice"), *a.UnpaidUSD)
 	}
 	return err
 }
