@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -705,15 +706,12 @@ type rateLimit struct {
 // again. The one rule for the poll loops and list updates; computed once
 // per failure and passed on.
 func (p *Poller) rateLimited(err error) rateLimit {
-	apiErr, isAPI := errors.AsType[*APIError](err)
-	if !(isAPI && apiErr.RateLimited()) && !errors.Is(err, ErrTooManyAttempts) {
+	limited, named := limitOf(err)
+	if !limited {
 		return rateLimit{}
 	}
 	now := p.now()
-	r := rateLimit{ok: true, until: now.Add(minRateLimitWait)}
-	if isAPI {
-		r.named = apiErr.NextAllowed
-	}
+	r := rateLimit{ok: true, until: now.Add(minRateLimitWait), named: named}
 	if r.named.After(r.until) {
 		r.until = r.named
 	}
@@ -721,6 +719,32 @@ func (p *Poller) rateLimited(err error) rateLimit {
 		r.until, r.capped = longest, true
 	}
 	return r
+}
+
+// limitOf reports whether err is the API's rate limit (a 429), and the
+// time it names as the next allowed, zero if none.
+func limitOf(err error) (limited bool, named time.Time) {
+	if apiErr, ok := errors.AsType[*APIError](err); ok && apiErr.RateLimited() {
+		return true, apiErr.NextAllowed
+	}
+	return errors.Is(err, ErrTooManyAttempts), time.Time{}
+}
+
+// keepErr is the error a unit of several requests reports (one clock for
+// all of them), given the one kept so far and the next: the first, unless
+// the next is a rate limit and the kept one is not, or names a later time.
+// So the unit's clock honours the longest wait the API asked for, whatever
+// failed before it in the round.
+func keepErr(kept, next error) error {
+	if kept == nil || next == nil {
+		return cmp.Or(kept, next)
+	}
+	kl, kt := limitOf(kept)
+	nl, nt := limitOf(next)
+	if nl && (!kl || nt.After(kt)) {
+		return next
+	}
+	return kept
 }
 
 // backoff after n consecutive failures: starting at the smaller of the
@@ -828,9 +852,7 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 		rec, err := client.Service(ctx, id)
 		p.beat(LoopAccount)
 		if err != nil {
-			if firstErr == nil {
-				firstErr = fmt.Errorf("polling service %d: %w", id, err)
-			}
+			firstErr = keepErr(firstErr, fmt.Errorf("polling service %d: %w", id, err))
 			continue
 		}
 		if !servable(rec.Status) {
@@ -897,15 +919,13 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 		}
 	}
 	p.changed()
-	switch {
-	case firstErr != nil:
-		return firstErr
-	case cerr != nil:
-		return fmt.Errorf("polling credit: %w", cerr)
-	case ierr != nil:
-		return fmt.Errorf("polling invoices: %w", ierr)
+	if cerr != nil {
+		firstErr = keepErr(firstErr, fmt.Errorf("polling credit: %w", cerr))
 	}
-	return nil
+	if ierr != nil {
+		firstErr = keepErr(firstErr, fmt.Errorf("polling invoices: %w", ierr))
+	}
+	return firstErr
 }
 
 // listTypes returns the IP list types a service of kind needs for the
@@ -984,9 +1004,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 		p.beat(owner)
 		if err != nil {
 			ok = false
-			if firstErr == nil {
-				firstErr = fmt.Errorf("polling %s list of service %d: %w", typ, id, err)
-			}
+			firstErr = keepErr(firstErr, fmt.Errorf("polling %s list of service %d: %w", typ, id, err))
 			continue
 		}
 		if l.Bad > 0 {
@@ -1001,9 +1019,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 		p.beat(owner)
 		if err != nil {
 			stickyOK = false
-			if firstErr == nil {
-				firstErr = fmt.Errorf("polling sticky sessions of service %d: %w", id, err)
-			}
+			firstErr = keepErr(firstErr, fmt.Errorf("polling sticky sessions of service %d: %w", id, err))
 		} else {
 			sticky = sl.Sessions
 		}
@@ -1087,9 +1103,7 @@ func (p *Poller) fetchList(ctx context.Context, owner Loop, client *Client, id i
 			}
 			return l, nil
 		}
-		if firstErr == nil {
-			firstErr = err
-		}
+		firstErr = keepErr(firstErr, err)
 		var de *DecodeError
 		if !errors.As(err, &de) {
 			break // not a parsing problem: another format will not help

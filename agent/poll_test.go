@@ -1297,3 +1297,61 @@ func TestPollerConfigNow(t *testing.T) {
 		t.Errorf("%d entries: the configured clock did not confirm the empty list an ip_list later", n)
 	}
 }
+
+// A unit of several requests (a service's lists; the account's services,
+// credit and invoices) has one clock: a 429 on a later request of the
+// round is honoured although an earlier one failed otherwise.
+func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
+	for _, tt := range []struct {
+		name          string
+		loop          Loop
+		first, second string // path prefixes: the first answers 500, the second 429
+	}{
+		{"lists", LoopLists, "/api/iplist/http-auth/", "/api/iplist/socks-ip/"},
+		{"account", LoopAccount, "/api/billing/credit", "/api/billing/invoices"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			sim := providersim.New(providersim.Config{Now: clock.Now})
+			var fail atomic.Bool
+			var limited atomic.Int32
+			c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+				switch {
+				case !fail.Load():
+					return false
+				case strings.HasPrefix(r.URL.Path, tt.first):
+					w.WriteHeader(http.StatusInternalServerError)
+					return true
+				case strings.HasPrefix(r.URL.Path, tt.second):
+					limited.Add(1)
+					w.Header().Set("Retry-After", "1800")
+					w.WriteHeader(http.StatusTooManyRequests)
+					_, _ = w.Write([]byte(`{"error":"Too Many Attempts"}`))
+					return true
+				}
+				return false
+			})
+			p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+				c.Services, c.Protocols = []int{101}, []string{"http", "socks5"}
+				c.Now = clock.Now
+			}), nil, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pollAll(t, p)
+			fail.Store(true)
+			clock.Advance(time.Hour) // every unit is due
+			_ = p.round(context.Background(), tt.loop, true)
+			if limited.Load() != 1 {
+				t.Fatalf("%d rate-limited answers in the round, want 1", limited.Load())
+			}
+			for range 29 {
+				clock.Advance(time.Minute)
+				_ = p.round(context.Background(), tt.loop, true)
+			}
+			if n := limited.Load() - 1; n != 0 {
+				t.Errorf("%d more requests within the 30 minutes the 429 named", n)
+			}
+		})
+	}
+}
