@@ -114,7 +114,7 @@ func badShare(st *ServiceState) float64 {
 // errored or inactive IPs has held for update_list_after, and polls the
 // new list at once. Called after each status round.
 func (p *Poller) manageLists(ctx context.Context) {
-	client, cfg, gen := p.current()
+	client, cfg, _ := p.current()
 	share, after := cfg.Manage.UpdateListShare, cfg.Manage.UpdateListAfter
 	if share <= 0 {
 		return
@@ -122,6 +122,7 @@ func (p *Poller) manageLists(ctx context.Context) {
 	now := p.now()
 	var due []int
 	p.mu.Lock()
+	provider := p.provider
 	for id, st := range p.services {
 		if st.Record.ProductType != "fpr" || !st.StatusKnown() {
 			continue
@@ -145,12 +146,13 @@ func (p *Poller) manageLists(ctx context.Context) {
 	}
 	p.mu.Unlock()
 	for _, id := range due {
-		p.requestList(ctx, client, gen, id)
+		p.requestList(ctx, client, provider, id)
 	}
 }
 
-// requestList sends one list update for service id and reports it.
-func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id int) {
+// requestList sends one list update for service id to the provider of
+// that epoch (Poller.provider) and reports it.
+func (p *Poller) requestList(ctx context.Context, client *Client, provider uint64, id int) {
 	p.event(Event{Kind: EventListUpdateRequested, Service: id, Reason: "errored or inactive IPs held the configured share"})
 	_, err := client.UpdateService(ctx, id, ServiceUpdate{UpdateList: true})
 	p.beat(LoopStatus)
@@ -158,15 +160,13 @@ func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id
 	switch {
 	case err == nil:
 		p.log.Info("new IP list requested", "service", id)
-		if _, _, lerr := p.pollServiceLists(ctx, LoopStatus, p.now(), id); lerr != nil {
-			p.log.Warn("polling the new IP list failed; the lists loop retries", "service", id, "err", lerr)
-			p.kick(LoopLists, unit{service: id})
-		}
+		p.pollNewList(ctx, id)
 		p.changed()
 		p.event(Event{Kind: EventListUpdated, Service: id, Result: ResultOK, Reason: "the provider replaced the IP list"})
 	case limit.ok:
 		p.mu.Lock()
-		if m := p.manage[id]; m != nil && p.gen == gen {
+		// A reload meanwhile keeps it; a new provider does not.
+		if m := p.manage[id]; m != nil && p.provider == provider {
 			m.nextAllowed = limit.until
 		}
 		p.mu.Unlock()
@@ -178,6 +178,25 @@ func (p *Poller) requestList(ctx context.Context, client *Client, gen uint64, id
 		p.log.Warn("requesting a new IP list failed", "service", id, "err", err)
 		p.event(Event{Kind: EventListUpdateFailed, Service: id, Result: ResultError, Reason: err.Error()})
 	}
+}
+
+// pollNewList polls service id's lists after a list update, as a round of
+// the lists loop for that service would: the loop's clock for it (a 429's
+// time included) says whether it may go now, else the loop polls it when
+// that time has passed, and the outcome sets the clock.
+func (p *Poller) pollNewList(ctx context.Context, id int) {
+	u := unit{service: id}
+	p.mu.Lock()
+	c := p.clocks[LoopLists][u]
+	limited := c != nil && p.now().Before(c.notBefore)
+	p.mu.Unlock()
+	if limited {
+		p.kick(LoopLists, u)
+		return
+	}
+	r := p.startRound(LoopLists)
+	_, soon, err := p.pollServiceLists(ctx, LoopStatus, r.at, id)
+	p.done(ctx, r, u, err, soon) // logs a failure with the wait before the loop's retry
 }
 
 func (p *Poller) event(e Event) {

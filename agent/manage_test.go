@@ -335,3 +335,135 @@ func TestManageStatusLoopBeatsWhilePollingNewList(t *testing.T) {
 		}
 	}
 }
+
+// countKind counts the events of one kind.
+func countKind(events *eventLog, kind string) int {
+	n := 0
+	for _, k := range events.kinds() {
+		if strings.HasPrefix(k, kind+"/") {
+			n++
+		}
+	}
+	return n
+}
+
+// A 429's time holds across a reload that lands while the request is in
+// flight; only a new provider starts afresh.
+func TestManageRateLimitKeptAcrossReload(t *testing.T) {
+	clock := newFakeClock()
+	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: time.Hour})
+	var p *Poller
+	var reloadDuringPut atomic.Bool
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+		if r.Method == http.MethodPut && reloadDuringPut.Load() {
+			c, cfg, _ := p.current()
+			cfg.IPList = 11 * time.Minute // a [poll] change
+			if err := p.Reconfigure(c, cfg, false); err != nil {
+				t.Error(err)
+			}
+		}
+		return false
+	})
+	events := &eventLog{}
+	var err error
+	p, err = NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols = []int{101}, []string{"http"}
+		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
+		c.OnEvent = events.add
+		c.Now = clock.Now
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pollAll(t, p)
+	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+	statusRound(t, p) // 10:00: the share is reached
+	clock.Advance(10 * time.Minute)
+	statusRound(t, p) // 10:10: requested and done; the simulator allows the next at 11:10
+	clock.Advance(10 * time.Minute)
+	reloadDuringPut.Store(true)
+	statusRound(t, p) // 10:20: 429 until 11:10, a reload meanwhile
+	reloadDuringPut.Store(false)
+	if n := countKind(events, EventListUpdateFailed); n != 1 {
+		t.Fatalf("events %v: want one refused request", events.kinds())
+	}
+	for range 4 { // 10:30 .. 11:00
+		clock.Advance(10 * time.Minute)
+		statusRound(t, p)
+	}
+	if n := countKind(events, EventListUpdateRequested); n != 2 {
+		t.Errorf("%d requests by 11:00, want 2 (none within the 429's window): %v", n, events.kinds())
+	}
+	clock.Advance(10 * time.Minute)
+	statusRound(t, p) // 11:10
+	if n := countKind(events, EventListUpdated); n != 2 {
+		t.Errorf("after the 429's time: events %v, want a second update", events.kinds())
+	}
+}
+
+// The poll of the new list after an update is the lists loop's: a 429 the
+// lists had got holds it back, and a 429 it gets holds back the loop.
+func TestManageNewListPollHonoursRateLimit(t *testing.T) {
+	clock := newFakeClock()
+	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: time.Hour})
+	var limited atomic.Bool
+	var lists atomic.Int32
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+		if !strings.HasPrefix(r.URL.Path, "/api/iplist/") {
+			return false
+		}
+		lists.Add(1)
+		if !limited.Load() {
+			return false
+		}
+		// On the test's clock (the client reads seconds on the real one).
+		w.Header().Set("Retry-After", clock.Now().Add(10*time.Minute).Format(http.TimeFormat))
+		w.WriteHeader(http.StatusTooManyRequests)
+		_, _ = w.Write([]byte(`{"error":"Too Many Attempts"}`))
+		return true
+	})
+	events := &eventLog{}
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols = []int{101}, []string{"http"}
+		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
+		c.OnEvent = events.add
+		c.Now = clock.Now
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pollAll(t, p)
+	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+	statusRound(t, p) // 10:00
+	clock.Advance(10 * time.Minute)
+	limited.Store(true)
+	before := lists.Load()
+	statusRound(t, p) // 10:10: the update is done; the new list's poll gets a 429 for 10 min
+	if lists.Load() != before+1 || countKind(events, EventListUpdated) != 1 {
+		t.Fatalf("%d list requests after the update, events %v; want one and the update", lists.Load()-before, events.kinds())
+	}
+	for range 9 { // the lists loop, kicked or due, within the 429's time
+		clock.Advance(time.Minute)
+		_ = p.round(context.Background(), LoopLists, true)
+	}
+	if n := lists.Load() - before - 1; n != 0 {
+		t.Errorf("%d list requests within the 429's 10 minutes", n)
+	}
+	limited.Store(false)
+	clock.Advance(time.Minute + time.Second)
+	_ = p.round(context.Background(), LoopLists, true)
+	if n := lists.Load() - before - 1; n != 1 {
+		t.Errorf("%d list requests once the 429's time passed, want 1", n)
+	}
+
+	// The lists are under a 429 when the next update goes out: its poll
+	// waits for the loop.
+	limited.Store(true)
+	clock.Advance(time.Hour) // update allowed again, lists due
+	_ = p.round(context.Background(), LoopLists, true)
+	before = lists.Load() // the loop's request, refused until 10 min from now
+	statusRound(t, p)
+	if countKind(events, EventListUpdated) != 2 || lists.Load() != before {
+		t.Errorf("events %v, %d list requests; want the update and none within the 429's time", events.kinds(), lists.Load()-before)
+	}
+}

@@ -199,6 +199,7 @@ type Poller struct {
 	lastGood map[string]int         // list key → size of the last list swapped in
 	formats  map[string]string      // list type → the format that last parsed
 	manage   map[int]*manageState
+	provider uint64 // bumped by Reconfigure with a new provider: its 429s are not the old one's
 	// clocks are the schedules of each loop's units (see Poller.loop).
 	clocks [numLoops]map[unit]*clock
 
@@ -269,6 +270,7 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 	p.cfg = cloneConfig(cfg)
 	p.gen++
 	if providerChanged {
+		p.provider++
 		p.trusted = map[string]bool{}
 		clear(p.pending)
 		// The new provider's lists start their own clocks: no backoff or

@@ -1324,7 +1324,8 @@ func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
 					return true
 				case strings.HasPrefix(r.URL.Path, tt.second):
 					limited.Add(1)
-					w.Header().Set("Retry-After", "1800")
+					// On the test's clock (the client reads seconds on the real one).
+					w.Header().Set("Retry-After", clock.Now().Add(30*time.Minute).Format(http.TimeFormat))
 					w.WriteHeader(http.StatusTooManyRequests)
 					_, _ = w.Write([]byte(`{"error":"Too Many Attempts"}`))
 					return true
@@ -1351,6 +1352,11 @@ func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
 			}
 			if n := limited.Load() - 1; n != 0 {
 				t.Errorf("%d more requests within the 30 minutes the 429 named", n)
+			}
+			clock.Advance(2 * time.Minute)
+			_ = p.round(context.Background(), tt.loop, true)
+			if n := limited.Load() - 1; n != 1 {
+				t.Errorf("%d more requests once the 429's time passed, want 1", n)
 			}
 		})
 	}
