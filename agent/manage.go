@@ -18,8 +18,10 @@ type ManageConfig struct {
 	// (which replaces the account's IPs). 0 switches it off.
 	UpdateListShare float64 `toml:"update_list_share"`
 	// UpdateListAfter is how long the share must hold, counted from when it
-	// was reached and again from each request; at most one request per
-	// this time. Must be more than 0s when UpdateListShare is set.
+	// was reached (after a reload that turns the feature on or changes the
+	// share: from the first status round that sees it held) and again from
+	// each request; at most one request per this time. Must be more than
+	// 0s when UpdateListShare is set.
 	UpdateListAfter time.Duration `toml:"update_list_after"`
 }
 
@@ -81,6 +83,7 @@ const (
 // manageState is the list-update clock of one fpr service.
 type manageState struct {
 	heldSince   time.Time // when the share was reached, or the last request; zero while below
+	share       float64   // the update_list_share heldSince was counted under
 	lastRequest time.Time
 	nextAllowed time.Time // from a 429
 }
@@ -117,6 +120,13 @@ func (p *Poller) manageLists(ctx context.Context) {
 	client, cfg, _ := p.current()
 	share, after := cfg.Manage.UpdateListShare, cfg.Manage.UpdateListAfter
 	if share <= 0 {
+		// Off: the share is not watched, so when it was reached is not
+		// known when the feature comes back on.
+		p.mu.Lock()
+		for _, m := range p.manage {
+			m.heldSince = time.Time{}
+		}
+		p.mu.Unlock()
 		return
 	}
 	now := p.now()
@@ -131,6 +141,11 @@ func (p *Poller) manageLists(ctx context.Context) {
 		if m == nil {
 			m = &manageState{}
 			p.manage[id] = m
+		}
+		if m.share != share {
+			// A reload changed it: when the new share was reached is
+			// not known, so it counts from this round.
+			m.heldSince, m.share = time.Time{}, share
 		}
 		if !st.ListsKnown || badShare(st) < share {
 			m.heldSince = time.Time{}

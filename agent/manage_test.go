@@ -467,3 +467,60 @@ func TestManageNewListPollHonoursRateLimit(t *testing.T) {
 		t.Errorf("events %v, %d list requests; want the update and none within the 429's time", events.kinds(), lists.Load()-before)
 	}
 }
+
+// With the feature off the share is not watched: turned on again, or to
+// another share, by a reload, the wait counts from the first round that
+// sees the share held, not from a time the clock kept from before.
+func TestManageClockStartsAfterReload(t *testing.T) {
+	t.Run("off and on", func(t *testing.T) {
+		p, sim, clock, events := newManagedPoller(t, time.Minute)
+		sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+		statusRound(t, p) // 10:00: the share is reached
+		clock.Advance(5 * time.Minute)
+		reconfigureManage(t, p, 0) // 10:05: off
+		statusRound(t, p)
+		clock.Advance(40 * time.Minute)
+		reconfigureManage(t, p, 0.5) // 10:45: on
+		statusRound(t, p)
+		clock.Advance(10*time.Minute - time.Second)
+		statusRound(t, p)
+		if got := events.kinds(); len(got) != 0 {
+			t.Fatalf("request within update_list_after of the feature coming on: %v", got)
+		}
+		clock.Advance(time.Second)
+		statusRound(t, p)
+		if n := countKind(events, EventListUpdateRequested); n != 1 {
+			t.Errorf("events %v: want a request update_list_after after it came on", events.kinds())
+		}
+	})
+	t.Run("share raised", func(t *testing.T) {
+		p, sim, clock, events := newManagedPoller(t, time.Minute)
+		reconfigureManage(t, p, 0.3)
+		sim.MarkErrored(101, "10.0.0.1")
+		statusRound(t, p) // 10:00: 1 of 3 holds 0.3
+		clock.Advance(8 * time.Minute)
+		reconfigureManage(t, p, 0.6)
+		sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+		statusRound(t, p) // 10:08: 0.6 reached
+		clock.Advance(10*time.Minute - time.Second)
+		statusRound(t, p)
+		if got := events.kinds(); len(got) != 0 {
+			t.Fatalf("request before 0.6 held for update_list_after: %v", got)
+		}
+		clock.Advance(time.Second)
+		statusRound(t, p)
+		if n := countKind(events, EventListUpdateRequested); n != 1 {
+			t.Errorf("events %v: want a request once 0.6 held for update_list_after", events.kinds())
+		}
+	})
+}
+
+// reconfigureManage reloads p with update_list_share set to share.
+func reconfigureManage(t *testing.T, p *Poller, share float64) {
+	t.Helper()
+	c, cfg, _ := p.current()
+	cfg.Manage.UpdateListShare = share
+	if err := p.Reconfigure(c, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+}
