@@ -1060,6 +1060,15 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 			st.Lists[typ] = l
 		}
 	}
+	// A type no listener dials any more (a reload changed the protocols)
+	// goes: its upstreams would serve no one, and its IPs would count in
+	// the list-update share.
+	wanted := listTypes(kind, cfg.Protocols)
+	for typ := range st.Lists {
+		if !slices.Contains(wanted, typ) {
+			delete(st.Lists, typ)
+		}
+	}
 	if stickyOK && kind == "ppr" {
 		if take(fmt.Sprintf("%d/sticky", id), "sticky session list", len(sticky)) {
 			st.Sticky = sticky

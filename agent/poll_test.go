@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -1359,5 +1360,31 @@ func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
 				t.Errorf("%d more requests once the 429's time passed, want 1", n)
 			}
 		})
+	}
+}
+
+// A list type no listener dials any more after a reload leaves the
+// service at the next lists round, with its upstreams.
+func TestPollerDropsListsOfProtocolsGone(t *testing.T) {
+	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols = []int{101}, []string{"http", "socks5"}
+	}))
+	pollAll(t, p)
+	st := serviceByID(p.Snapshot(), 101)
+	if st == nil || len(st.Lists["http-auth"]) == 0 || len(st.Lists["socks-ip"]) == 0 {
+		t.Fatalf("both lists before: %+v", st)
+	}
+	p.SetProtocols([]string{"http"})
+	if err := p.PollOnce(context.Background(), LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	st = serviceByID(p.Snapshot(), 101)
+	if _, ok := st.Lists["socks-ip"]; ok || len(st.Lists["http-auth"]) == 0 {
+		t.Fatalf("lists after socks5 left: %v", slices.Collect(maps.Keys(st.Lists)))
+	}
+	for _, u := range st.Upstreams() {
+		if u.Protocol != "http" {
+			t.Errorf("upstream %+v of a protocol no listener dials", u)
+		}
 	}
 }
