@@ -18,7 +18,7 @@ type ManageConfig struct {
 	// (which replaces the account's IPs). 0 switches it off.
 	UpdateListShare float64 `toml:"update_list_share"`
 	// UpdateListAfter is how long the share must hold, counted from when it
-	// was reached (after a reload that turns the feature on or changes the
+	// was reached (after a reload that turns the feature on or raises the
 	// share: from the first status round that sees it held) and again from
 	// each request; at most one request per this time. Must be more than
 	// 0s when UpdateListShare is set.
@@ -83,7 +83,7 @@ const (
 // manageState is the list-update clock of one fpr service.
 type manageState struct {
 	heldSince   time.Time // when the share was reached, or the last request; zero while below
-	share       float64   // the update_list_share heldSince was counted under
+	share       float64   // the update_list_share of the last round
 	lastRequest time.Time
 	nextAllowed time.Time // from a 429
 }
@@ -142,11 +142,13 @@ func (p *Poller) manageLists(ctx context.Context) {
 			m = &manageState{}
 			p.manage[id] = m
 		}
-		if m.share != share {
-			// A reload changed it: when the new share was reached is
-			// not known, so it counts from this round.
-			m.heldSince, m.share = time.Time{}, share
+		if share > m.share {
+			// A reload raised it: when the new share was reached is not
+			// known, so it counts from this round. (A lower share was
+			// reached by the time the higher one was.)
+			m.heldSince = time.Time{}
 		}
+		m.share = share
 		if !st.ListsKnown || badShare(st) < share {
 			m.heldSince = time.Time{}
 			continue
@@ -212,6 +214,7 @@ func (p *Poller) pollNewList(ctx context.Context, id int) {
 	r := p.startRound(LoopLists)
 	_, soon, err := p.pollServiceLists(ctx, LoopStatus, r.at, id)
 	p.done(ctx, r, u, err, soon) // logs a failure with the wait before the loop's retry
+	p.wake(LoopLists)            // which its clock now says
 }
 
 func (p *Poller) event(e Event) {

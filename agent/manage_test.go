@@ -468,9 +468,10 @@ func TestManageNewListPollHonoursRateLimit(t *testing.T) {
 	}
 }
 
-// With the feature off the share is not watched: turned on again, or to
-// another share, by a reload, the wait counts from the first round that
-// sees the share held, not from a time the clock kept from before.
+// With the feature off the share is not watched: turned on again, or to a
+// higher share, by a reload, the wait counts from the first round that
+// sees the share held, not from a time the clock kept from before. A
+// lower share was reached when the higher one was.
 func TestManageClockStartsAfterReload(t *testing.T) {
 	t.Run("off and on", func(t *testing.T) {
 		p, sim, clock, events := newManagedPoller(t, time.Minute)
@@ -491,6 +492,19 @@ func TestManageClockStartsAfterReload(t *testing.T) {
 		statusRound(t, p)
 		if n := countKind(events, EventListUpdateRequested); n != 1 {
 			t.Errorf("events %v: want a request update_list_after after it came on", events.kinds())
+		}
+	})
+	t.Run("share lowered", func(t *testing.T) {
+		p, sim, clock, events := newManagedPoller(t, time.Minute)
+		sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+		statusRound(t, p) // 10:00: 0.5 reached, and so 0.3
+		clock.Advance(5 * time.Minute)
+		reconfigureManage(t, p, 0.3)
+		statusRound(t, p)
+		clock.Advance(5 * time.Minute)
+		statusRound(t, p) // 10:10
+		if n := countKind(events, EventListUpdateRequested); n != 1 {
+			t.Errorf("events %v: want a request at 10:10, when 0.3 had held for update_list_after", events.kinds())
 		}
 	})
 	t.Run("share raised", func(t *testing.T) {
@@ -522,5 +536,58 @@ func reconfigureManage(t *testing.T, p *Poller, share float64) {
 	cfg.Manage.UpdateListShare = share
 	if err := p.Reconfigure(c, cfg, false); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// When the poll of the new list fails, the lists loop is woken to retry
+// it at its backoff, not at the end of the wait it was sleeping (up to
+// ip_list) while the pool keeps the replaced IPs.
+func TestManageFailedNewListPollWakesListsLoop(t *testing.T) {
+	clock := newFakeClock()
+	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: time.Hour})
+	var failLists atomic.Bool
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+		if failLists.Load() && strings.HasPrefix(r.URL.Path, "/api/iplist/") {
+			w.WriteHeader(http.StatusInternalServerError)
+			return true
+		}
+		return false
+	})
+	events := &eventLog{}
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services, c.Protocols = []int{101}, []string{"http"}
+		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
+		c.OnEvent = events.add
+		c.Now = clock.Now
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pollAll(t, p)
+	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
+	statusRound(t, p)
+	clock.Advance(10 * time.Minute)
+	select {
+	case <-p.kicks[LoopLists]: // whatever woke it before
+	default:
+	}
+	failLists.Store(true)
+	statusRound(t, p) // the update, then the new list's poll fails
+	if countKind(events, EventListUpdated) != 1 {
+		t.Fatalf("events %v, want the update", events.kinds())
+	}
+	select {
+	case <-p.kicks[LoopLists]:
+	default:
+		t.Errorf("the lists loop was not woken after the new list's poll failed")
+	}
+	p.mu.Lock()
+	failures, next := 0, time.Time{}
+	if c := p.clocks[LoopLists][unit{service: 101}]; c != nil {
+		failures, next = c.failures, c.next
+	}
+	p.mu.Unlock()
+	if failures != 1 || next.Sub(clock.Now()) > time.Minute {
+		t.Errorf("lists clock after the failed poll: %d failures, next in %s; want one failure and a retry within the backoff", failures, next.Sub(clock.Now()))
 	}
 }

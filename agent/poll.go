@@ -411,19 +411,22 @@ func (c *clock) due() time.Time {
 
 // roundStart is what the clocks of the units a round polls are set from.
 type roundStart struct {
-	loop Loop
-	gen  uint64    // the generation the round began in
-	at   time.Time // when it began
-	next time.Time // when the units that answer are next due
+	loop     Loop
+	gen      uint64    // the generation the round began in
+	provider uint64    // the provider epoch it began in (Poller.provider)
+	at       time.Time // when it began
+	next     time.Time // when the units that answer are next due
 }
 
 // startRound begins a round of loop l: the units that answer in it are
 // next due after the interval with jitter, once for the round, so that
 // they stay in one round.
 func (p *Poller) startRound(l Loop) roundStart {
-	_, _, gen := p.current()
+	p.mu.Lock()
+	gen, provider := p.gen, p.provider
+	p.mu.Unlock()
 	now := p.now()
-	return roundStart{loop: l, gen: gen, at: now, next: now.Add(p.jitter(p.interval(l)))}
+	return roundStart{loop: l, gen: gen, provider: provider, at: now, next: now.Add(p.jitter(p.interval(l)))}
 }
 
 // units returns the units loop l polls: the account, every served
@@ -494,8 +497,9 @@ func (p *Poller) untilDue(l Loop) time.Duration {
 	return max(wait, 0)
 }
 
-// done sets the clock of unit u after a poll of it in round r (unless
-// the poller was reconfigured since, or u is no longer polled): the
+// done sets the clock of unit u after a poll of it in round r (unless u
+// is no longer polled, or the poller was reconfigured since: then only a
+// 429's time is kept, when the provider is the same): the
 // round's next time after a success, or after confirmWait when soon asks
 // for a list that was empty on its first answer to be polled again soon;
 // its own backoff after a failure, which is logged (and a recovery), and
@@ -508,8 +512,18 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon
 	l := r.loop
 	p.mu.Lock()
 	c := p.clocks[l][u]
+	var held *clock // a reload began meanwhile: the unit's clock, which a 429 still holds back
 	switch {
-	case p.gen != r.gen || !slices.Contains(p.units(l), u):
+	case !slices.Contains(p.units(l), u):
+		c = &clock{} // logged below, not kept
+	case p.gen != r.gen:
+		if p.provider == r.provider {
+			if c == nil {
+				c = &clock{}
+				p.clocks[l][u] = c
+			}
+			held = c
+		}
 		c = &clock{} // logged below, not kept
 	case c == nil:
 		c = &clock{}
@@ -536,6 +550,9 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon
 	}
 	p.mu.Lock()
 	c.next, c.notBefore = next, limit.until
+	if held != nil && limit.until.After(held.notBefore) {
+		held.notBefore = limit.until // a reload does not lift the provider's 429
+	}
 	p.mu.Unlock()
 	if err == nil {
 		failures = before // a recovery is logged with the failures it ends
@@ -617,6 +634,12 @@ func (p *Poller) kick(l Loop, units ...unit) {
 		}
 	}
 	p.mu.Unlock()
+	p.wake(l)
+}
+
+// wake makes loop l look at its clocks again now: a unit's clock changed
+// outside its rounds.
+func (p *Poller) wake(l Loop) {
 	select {
 	case p.kicks[l] <- struct{}{}:
 	default:

@@ -1239,15 +1239,31 @@ func TestPollerClocksBounded(t *testing.T) {
 		t.Errorf("%d clocks after a poll of service 999, which is not served, want 8", n)
 	}
 
+	// A round begun before a reload keeps nothing of its own outcome, but
+	// the same provider's 429 still holds the unit back; a new provider's
+	// units owe nothing to the old one's.
 	r := p.startRound(LoopUsage)
 	client, _, _ := p.current()
 	if err := p.Reconfigure(client, cfg, false); err != nil {
 		t.Fatal(err)
 	}
 	p.done(ctx, r, unit{service: 102}, &APIError{Status: 429, NextAllowed: clock.Now().Add(30 * time.Minute)}, false)
-	if got := p.pollable(LoopUsage, true); !slices.Equal(got, []unit{{service: 102}}) {
-		t.Errorf("due after the reload: %v, want 102 (the 429 came from a round begun before it)", got)
+	if got := p.pollable(LoopUsage, true); len(got) != 0 {
+		t.Errorf("due after a reload and a 429 of the round begun before it: %v, want none until the 429's time", got)
 	}
+	clock.Advance(30 * time.Minute)
+	if got := p.pollable(LoopUsage, true); !slices.Equal(got, []unit{{service: 102}}) {
+		t.Errorf("due at the 429's time: %v, want 102", got)
+	}
+	r = p.startRound(LoopUsage)
+	if err := p.Reconfigure(client, cfg, true); err != nil {
+		t.Fatal(err)
+	}
+	p.done(ctx, r, unit{service: 102}, &APIError{Status: 429, NextAllowed: clock.Now().Add(30 * time.Minute)}, false)
+	if got := p.pollable(LoopUsage, true); !slices.Equal(got, []unit{{service: 102}}) {
+		t.Errorf("due after a provider change: %v, want 102 (the 429 came from the old provider)", got)
+	}
+	pollAll(t, p)
 
 	cfg.Services = []int{101}
 	if err := p.Reconfigure(client, cfg, false); err != nil {

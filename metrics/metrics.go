@@ -91,7 +91,8 @@ func (o Options) Validate() error {
 }
 
 // Account is the provider-side view of the account that the agent polls.
-// Until Known, none of its metrics is exposed: unknown is not zero.
+// The credit's and the invoices' metrics are exposed only once each is
+// known (CreditKnown, InvoicesKnown): unknown is not zero.
 type Account struct {
 	Credit      float64 // USD
 	CreditKnown bool    // the credit has been read at least once
