@@ -57,13 +57,20 @@ func (l *eventLog) kinds() []string {
 func newManagedPoller(t *testing.T, interval time.Duration) (*Poller, *providersim.Sim, *fakeClock, *eventLog) {
 	t.Helper()
 	clock := newFakeClock()
+	p, sim, events := managedPoller(t, clock, interval, nil)
+	return p, sim, clock, events
+}
+
+// managedPoller is newManagedPoller on clock, with intercept (when not
+// nil) answering the requests it takes before the simulator does (see
+// interceptClient).
+func managedPoller(t *testing.T, clock *fakeClock, interval time.Duration, intercept func(http.ResponseWriter, *http.Request) bool) (*Poller, *providersim.Sim, *eventLog) {
+	t.Helper()
 	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: interval})
-	srv := httptest.NewServer(sim)
-	t.Cleanup(srv.Close)
-	c, err := New(clientConfig(srv.URL, providersim.DefaultToken, 5*time.Second))
-	if err != nil {
-		t.Fatal(err)
+	if intercept == nil {
+		intercept = func(http.ResponseWriter, *http.Request) bool { return false }
 	}
+	c := interceptClient(t, sim, 5*time.Second, intercept)
 	events := &eventLog{}
 	cfg := pollConfig(func(c *PollConfig) {
 		c.Services, c.Protocols = []int{101}, []string{"http"}
@@ -76,7 +83,7 @@ func newManagedPoller(t *testing.T, interval time.Duration) (*Poller, *providers
 		t.Fatal(err)
 	}
 	pollAll(t, p)
-	return p, sim, clock, events
+	return p, sim, events
 }
 
 func statusRound(t *testing.T, p *Poller) {
@@ -351,10 +358,11 @@ func countKind(events *eventLog, kind string) int {
 // flight; only a new provider starts afresh.
 func TestManageRateLimitKeptAcrossReload(t *testing.T) {
 	clock := newFakeClock()
-	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: time.Hour})
 	var p *Poller
 	var reloadDuringPut atomic.Bool
-	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+	var sim *providersim.Sim
+	var events *eventLog
+	p, sim, events = managedPoller(t, clock, time.Hour, func(w http.ResponseWriter, r *http.Request) bool {
 		if r.Method == http.MethodPut && reloadDuringPut.Load() {
 			c, cfg, _ := p.current()
 			cfg.IPList = 11 * time.Minute // a [poll] change
@@ -364,18 +372,6 @@ func TestManageRateLimitKeptAcrossReload(t *testing.T) {
 		}
 		return false
 	})
-	events := &eventLog{}
-	var err error
-	p, err = NewPoller(c, pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols = []int{101}, []string{"http"}
-		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
-		c.OnEvent = events.add
-		c.Now = clock.Now
-	}), nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pollAll(t, p)
 	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
 	statusRound(t, p) // 10:00: the share is reached
 	clock.Advance(10 * time.Minute)
@@ -405,10 +401,9 @@ func TestManageRateLimitKeptAcrossReload(t *testing.T) {
 // lists had got holds it back, and a 429 it gets holds back the loop.
 func TestManageNewListPollHonoursRateLimit(t *testing.T) {
 	clock := newFakeClock()
-	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: time.Hour})
 	var limited atomic.Bool
 	var lists atomic.Int32
-	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+	p, sim, events := managedPoller(t, clock, time.Hour, func(w http.ResponseWriter, r *http.Request) bool {
 		if !strings.HasPrefix(r.URL.Path, "/api/iplist/") {
 			return false
 		}
@@ -422,17 +417,6 @@ func TestManageNewListPollHonoursRateLimit(t *testing.T) {
 		_, _ = w.Write([]byte(`{"error":"Too Many Attempts"}`))
 		return true
 	})
-	events := &eventLog{}
-	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols = []int{101}, []string{"http"}
-		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
-		c.OnEvent = events.add
-		c.Now = clock.Now
-	}), nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pollAll(t, p)
 	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
 	statusRound(t, p) // 10:00
 	clock.Advance(10 * time.Minute)
@@ -483,16 +467,7 @@ func TestManageClockStartsAfterReload(t *testing.T) {
 		clock.Advance(40 * time.Minute)
 		reconfigureManage(t, p, 0.5) // 10:45: on
 		statusRound(t, p)
-		clock.Advance(10*time.Minute - time.Second)
-		statusRound(t, p)
-		if got := events.kinds(); len(got) != 0 {
-			t.Fatalf("request within update_list_after of the feature coming on: %v", got)
-		}
-		clock.Advance(time.Second)
-		statusRound(t, p)
-		if n := countKind(events, EventListUpdateRequested); n != 1 {
-			t.Errorf("events %v: want a request update_list_after after it came on", events.kinds())
-		}
+		wantRequestAfter(t, p, clock, events)
 	})
 	t.Run("share lowered", func(t *testing.T) {
 		p, sim, clock, events := newManagedPoller(t, time.Minute)
@@ -516,17 +491,24 @@ func TestManageClockStartsAfterReload(t *testing.T) {
 		reconfigureManage(t, p, 0.6)
 		sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
 		statusRound(t, p) // 10:08: 0.6 reached
-		clock.Advance(10*time.Minute - time.Second)
-		statusRound(t, p)
-		if got := events.kinds(); len(got) != 0 {
-			t.Fatalf("request before 0.6 held for update_list_after: %v", got)
-		}
-		clock.Advance(time.Second)
-		statusRound(t, p)
-		if n := countKind(events, EventListUpdateRequested); n != 1 {
-			t.Errorf("events %v: want a request once 0.6 held for update_list_after", events.kinds())
-		}
+		wantRequestAfter(t, p, clock, events)
 	})
+}
+
+// wantRequestAfter checks that no list update goes out before
+// update_list_after (10m) from now, and that one goes out then.
+func wantRequestAfter(t *testing.T, p *Poller, clock *fakeClock, events *eventLog) {
+	t.Helper()
+	clock.Advance(10*time.Minute - time.Second)
+	statusRound(t, p)
+	if got := events.kinds(); len(got) != 0 {
+		t.Fatalf("request before update_list_after had passed: %v", got)
+	}
+	clock.Advance(time.Second)
+	statusRound(t, p)
+	if n := countKind(events, EventListUpdateRequested); n != 1 {
+		t.Errorf("events %v: want one request once update_list_after had passed", events.kinds())
+	}
 }
 
 // reconfigureManage reloads p with update_list_share set to share.
@@ -544,26 +526,14 @@ func reconfigureManage(t *testing.T, p *Poller, share float64) {
 // ip_list) while the pool keeps the replaced IPs.
 func TestManageFailedNewListPollWakesListsLoop(t *testing.T) {
 	clock := newFakeClock()
-	sim := providersim.New(providersim.Config{Now: clock.Now, UpdateListInterval: time.Hour})
 	var failLists atomic.Bool
-	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+	p, sim, events := managedPoller(t, clock, time.Hour, func(w http.ResponseWriter, r *http.Request) bool {
 		if failLists.Load() && strings.HasPrefix(r.URL.Path, "/api/iplist/") {
 			w.WriteHeader(http.StatusInternalServerError)
 			return true
 		}
 		return false
 	})
-	events := &eventLog{}
-	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols = []int{101}, []string{"http"}
-		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
-		c.OnEvent = events.add
-		c.Now = clock.Now
-	}), nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pollAll(t, p)
 	sim.MarkErrored(101, "10.0.0.1", "10.0.0.2", "10.0.0.3")
 	statusRound(t, p)
 	clock.Advance(10 * time.Minute)
