@@ -360,6 +360,7 @@ func TestManageRateLimitKeptAcrossReload(t *testing.T) {
 	clock := newFakeClock()
 	var p *Poller
 	var reloadDuringPut atomic.Bool
+	var reloads atomic.Int32
 	var sim *providersim.Sim
 	var events *eventLog
 	p, sim, events = managedPoller(t, clock, time.Hour, func(w http.ResponseWriter, r *http.Request) bool {
@@ -369,6 +370,7 @@ func TestManageRateLimitKeptAcrossReload(t *testing.T) {
 			if err := p.Reconfigure(c, cfg, false); err != nil {
 				t.Error(err)
 			}
+			reloads.Add(1)
 		}
 		return false
 	})
@@ -380,8 +382,8 @@ func TestManageRateLimitKeptAcrossReload(t *testing.T) {
 	reloadDuringPut.Store(true)
 	statusRound(t, p) // 10:20: 429 until 11:10, a reload meanwhile
 	reloadDuringPut.Store(false)
-	if n := countKind(events, EventListUpdateFailed); n != 1 {
-		t.Fatalf("events %v: want one refused request", events.kinds())
+	if n := countKind(events, EventListUpdateFailed); n != 1 || reloads.Load() != 1 {
+		t.Fatalf("events %v, %d reloads: want one refused request with a reload during it", events.kinds(), reloads.Load())
 	}
 	for range 4 { // 10:30 .. 11:00
 		clock.Advance(10 * time.Minute)

@@ -511,23 +511,21 @@ func (p *Poller) done(ctx context.Context, r roundStart, u unit, err error, soon
 	}
 	l := r.loop
 	p.mu.Lock()
+	// The unit's clock takes the round's outcome, or after a reload of the
+	// same provider only a 429's time (held); otherwise c is logged below
+	// and not kept.
+	kept := slices.Contains(p.units(l), u) && (p.gen == r.gen || p.provider == r.provider)
 	c := p.clocks[l][u]
-	var held *clock // a reload began meanwhile: the unit's clock, which a 429 still holds back
-	switch {
-	case !slices.Contains(p.units(l), u):
-		c = &clock{} // logged below, not kept
-	case p.gen != r.gen:
-		if p.provider == r.provider {
-			if c == nil {
-				c = &clock{}
-				p.clocks[l][u] = c
-			}
-			held = c
-		}
-		c = &clock{} // logged below, not kept
-	case c == nil:
+	if kept && c == nil {
 		c = &clock{}
 		p.clocks[l][u] = c
+	}
+	var held *clock
+	switch {
+	case !kept:
+		c = &clock{}
+	case p.gen != r.gen:
+		held, c = c, &clock{}
 	}
 	before := c.failures
 	if err != nil {
@@ -872,12 +870,12 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 	}
 	records := map[int]Service{}
 	var dropped []int
-	var firstErr error
+	var unitErr error
 	for _, id := range want {
 		rec, err := client.Service(ctx, id)
 		p.beat(LoopAccount)
 		if err != nil {
-			firstErr = keepErr(firstErr, fmt.Errorf("polling service %d: %w", id, err))
+			unitErr = keepErr(unitErr, fmt.Errorf("polling service %d: %w", id, err))
 			continue
 		}
 		if !servable(rec.Status) {
@@ -945,12 +943,12 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 	}
 	p.changed()
 	if cerr != nil {
-		firstErr = keepErr(firstErr, fmt.Errorf("polling credit: %w", cerr))
+		unitErr = keepErr(unitErr, fmt.Errorf("polling credit: %w", cerr))
 	}
 	if ierr != nil {
-		firstErr = keepErr(firstErr, fmt.Errorf("polling invoices: %w", ierr))
+		unitErr = keepErr(unitErr, fmt.Errorf("polling invoices: %w", ierr))
 	}
-	return firstErr
+	return unitErr
 }
 
 // listTypes returns the IP list types a service of kind needs for the
@@ -1005,7 +1003,7 @@ func (p *Poller) pollLists(ctx context.Context, r roundStart, units []unit) erro
 // (confirmWait). owner is the loop doing the work (the lists loop, or the
 // status loop polling a list it had renewed): each answer beats its
 // heartbeat, so that a slow API never makes it look stuck.
-func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time, id int) (ok, soon bool, firstErr error) {
+func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time, id int) (ok, soon bool, unitErr error) {
 	client, cfg, gen := p.current()
 	minAge := confirmAge(cfg.IPList, cfg.Jitter)
 	p.mu.Lock()
@@ -1029,7 +1027,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 		p.beat(owner)
 		if err != nil {
 			ok = false
-			firstErr = keepErr(firstErr, fmt.Errorf("polling %s list of service %d: %w", typ, id, err))
+			unitErr = keepErr(unitErr, fmt.Errorf("polling %s list of service %d: %w", typ, id, err))
 			continue
 		}
 		if l.Bad > 0 {
@@ -1044,7 +1042,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 		p.beat(owner)
 		if err != nil {
 			stickyOK = false
-			firstErr = keepErr(firstErr, fmt.Errorf("polling sticky sessions of service %d: %w", id, err))
+			unitErr = keepErr(unitErr, fmt.Errorf("polling sticky sessions of service %d: %w", id, err))
 		} else {
 			sticky = sl.Sessions
 		}
@@ -1104,7 +1102,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	if ok && stickyOK && !withheld && (!firstEmpty || entries) {
 		st.ListsKnown = true
 	}
-	return ok && stickyOK, firstEmpty, firstErr
+	return ok && stickyOK, firstEmpty, unitErr
 }
 
 // listFormats is the order in which list formats are tried.
@@ -1123,7 +1121,7 @@ func (p *Poller) fetchList(ctx context.Context, owner Loop, client *Client, id i
 		current = listFormats[0]
 	}
 	start := slices.Index(listFormats[:], current)
-	var firstErr error
+	var fetchErr error
 	for i := range listFormats {
 		format := listFormats[(start+i)%len(listFormats)]
 		l, err := client.IPList(ctx, id, typ, format)
@@ -1137,14 +1135,14 @@ func (p *Poller) fetchList(ctx context.Context, owner Loop, client *Client, id i
 			}
 			return l, nil
 		}
-		firstErr = keepErr(firstErr, err)
+		fetchErr = keepErr(fetchErr, err)
 		var de *DecodeError
 		if !errors.As(err, &de) {
 			break // not a parsing problem: another format will not help
 		}
 		p.beat(owner)
 	}
-	return nil, firstErr
+	return nil, fetchErr
 }
 
 // serviceListKey is the confirm key of the account's service list.

@@ -1331,15 +1331,17 @@ func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
 			clock := newFakeClock()
 			sim := providersim.New(providersim.Config{Now: clock.Now})
 			var fail atomic.Bool
-			var limited atomic.Int32
+			var limited, answers, failedAt, limitedAt atomic.Int32 // answers numbers them in order
 			c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 				switch {
 				case !fail.Load():
 					return false
 				case strings.HasPrefix(r.URL.Path, tt.first):
+					failedAt.Store(answers.Add(1))
 					w.WriteHeader(http.StatusInternalServerError)
 					return true
 				case strings.HasPrefix(r.URL.Path, tt.second):
+					limitedAt.Store(answers.Add(1))
 					limited.Add(1)
 					// On the test's clock (the client reads seconds on the real one).
 					w.Header().Set("Retry-After", clock.Now().Add(30*time.Minute).Format(http.TimeFormat))
@@ -1360,8 +1362,9 @@ func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
 			fail.Store(true)
 			clock.Advance(time.Hour) // every unit is due
 			_ = p.round(context.Background(), tt.loop, true)
-			if limited.Load() != 1 {
-				t.Fatalf("%d rate-limited answers in the round, want 1", limited.Load())
+			if limited.Load() != 1 || failedAt.Load() == 0 || failedAt.Load() > limitedAt.Load() {
+				t.Fatalf("%d rate-limited answers in the round (the 500 as answer %d, the 429 as %d), want one 429 after the 500",
+					limited.Load(), failedAt.Load(), limitedAt.Load())
 			}
 			for range 29 {
 				clock.Advance(time.Minute)

@@ -94,12 +94,9 @@ func (o Options) Validate() error {
 // The credit's and the invoices' metrics are exposed only once each is
 // known (CreditKnown, InvoicesKnown): unknown is not zero.
 type Account struct {
-	Credit      float64 // USD
-	CreditKnown bool    // the credit has been read at least once
-	// InvoicesKnown: the invoices have been read at least once. Each of
-	// the two is shown only once known: a 0 for invoices that could not
-	// be read would hide unpaid ones.
-	InvoicesKnown bool
+	Credit        float64 // USD
+	CreditKnown   bool    // the credit has been read at least once
+	InvoicesKnown bool    // the invoices have been read at least once (a 0 before would hide unpaid ones)
 	// UnpaidInvoices counts the account's unpaid invoices: those whose
 	// status is Unpaid or Collections (Payment Pending is not unpaid). An
 	// unpaid invoice is how the provider comes to suspend a service, which

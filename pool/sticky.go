@@ -74,9 +74,7 @@ func (t *stickyTable) resize(max int) {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		for s.n > per && s.tail != nil {
-			s.remove(s.tail)
-		}
+		s.trim(int64(per))
 		s.mu.Unlock()
 	}
 }
@@ -150,7 +148,7 @@ func (s *stickyShard) hold(e *stickyEntry) {
 }
 
 // release counts one pick of k's key over; the last one puts its entry back
-// on the list as used at now, evicting past max as add does.
+// on the list as used at now, and trims the shard to max.
 func (s *stickyShard) release(k stickyKey, hash uint64, now, max int64) {
 	e := s.find(k, hash)
 	if e == nil || e.open == 0 {
@@ -160,9 +158,15 @@ func (s *stickyShard) release(k stickyKey, hash uint64, now, max int64) {
 	if e.open == 0 {
 		e.used = now
 		s.pushFront(e)
-		for int64(s.n) > max && s.tail != nil {
-			s.remove(s.tail)
-		}
+		s.trim(max)
+	}
+}
+
+// trim evicts the least recently used unused keys while the shard holds
+// more than max; keys in use stay.
+func (s *stickyShard) trim(max int64) {
+	for int64(s.n) > max && s.tail != nil {
+		s.remove(s.tail)
 	}
 }
 
@@ -184,16 +188,12 @@ func (s *stickyShard) remove(e *stickyEntry) {
 	e.chain = nil
 }
 
-// add enters k, assigned to h and held (see hold), evicting the least
-// recently used unused keys past max.
-func (s *stickyShard) add(k stickyKey, hash uint64, h *host, now int64, max int64) *stickyEntry {
-	e := &stickyEntry{k: k, hash: hash, h: h, used: now, open: 1, chain: s.m[hash]}
-	s.m[hash] = e
+// add enters k, assigned to h and held (see hold), and trims the shard to
+// max.
+func (s *stickyShard) add(k stickyKey, hash uint64, h *host, now int64, max int64) {
+	s.m[hash] = &stickyEntry{k: k, hash: hash, h: h, used: now, open: 1, chain: s.m[hash]}
 	s.n++
-	for int64(s.n) > max && s.tail != nil {
-		s.remove(s.tail)
-	}
-	return e
+	s.trim(max)
 }
 
 // expire drops entries idle since before now-idle.
@@ -330,13 +330,14 @@ func (s *stickyShard) held(e *stickyEntry, h *host) (*Upstream, error) {
 // off), so that the pick's Release finds it.
 func (p *Pool) holdKey(k stickyKey, h *host) {
 	sh, hash := p.sticky.locate(k)
+	now := p.fastNow()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if e := sh.get(k, hash, p.fastNow(), int64(p.cfg.Load().StickyIdle)); e != nil {
+	if e := sh.get(k, hash, now, int64(p.cfg.Load().StickyIdle)); e != nil {
 		sh.hold(e)
 		return
 	}
-	sh.add(k, hash, h, p.fastNow(), p.sticky.perShard.Load())
+	sh.add(k, hash, h, now, p.sticky.perShard.Load())
 }
 
 // pickOnce picks without touching the sticky table; service, when not 0,
