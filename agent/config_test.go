@@ -46,7 +46,7 @@ func TestDefaultConfigsAreValid(t *testing.T) {
 	p := DefaultPollConfig()
 	if p.IPList != 10*time.Minute || p.NetworkStatus != 30*time.Second || p.Usage != time.Minute ||
 		p.Account != 15*time.Minute || p.Jitter != 0.1 || p.MaxBackoff != 10*time.Minute ||
-		!slices.Equal(p.Protocols, []string{"http", "socks5"}) {
+		p.Draws != nil {
 		t.Errorf("DefaultPollConfig = %+v", p)
 	}
 	if m := DefaultManageConfig(); m.UpdateListShare != 0 || m.UpdateListAfter != 10*time.Minute {
@@ -228,7 +228,7 @@ update_list_share = 0.5
 		t.Errorf("[api] = %+v", a)
 	}
 	p := file.Poll
-	if p.IPList != 5*time.Minute || p.Jitter != 0 || p.Account != 15*time.Minute || len(p.Protocols) != 2 {
+	if p.IPList != 5*time.Minute || p.Jitter != 0 || p.Account != 15*time.Minute || p.Draws != nil {
 		t.Errorf("[poll] = %+v", p)
 	}
 	if m := file.Manage; m.UpdateListShare != 0.5 || m.UpdateListAfter != 10*time.Minute {

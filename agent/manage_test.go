@@ -73,7 +73,7 @@ func managedPoller(t *testing.T, clock *fakeClock, interval time.Duration, inter
 	c := interceptClient(t, sim, 5*time.Second, intercept)
 	events := &eventLog{}
 	cfg := pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols = []int{101}, []string{"http"}
+		c.Services, c.Draws = []int{101}, drawn("http")
 		c.Manage = ManageConfig{UpdateListShare: 0.5, UpdateListAfter: 10 * time.Minute}
 		c.OnEvent = events.add
 		c.Now = clock.Now

@@ -48,9 +48,13 @@ type PollConfig struct {
 	// Services are the service IDs to serve (the [api] services key); empty
 	// means every Active service of the account.
 	Services []int `toml:"-"`
-	// Protocols are how the listeners dial upstreams ("http", "socks5"); they
-	// decide which IP lists are fetched. Empty fetches none.
-	Protocols []string `toml:"-"`
+	// Draws reports whether some listener draws the upstreams of a service
+	// of this kind ("fpr", "ppr") dialed by this protocol ("http",
+	// "socks5"). It decides which IP lists and sticky sessions are fetched:
+	// a list no listener draws is not polled, and one kept from before a
+	// reload goes. nil draws every one. It must not block or call back
+	// into the poller.
+	Draws func(service int, kind, protocol string) bool `toml:"-"`
 	// Manage is the [manage] section: actions taken on the account.
 	Manage ManageConfig `toml:"-"`
 	// OnEvent, if set, receives the events of the list updates Manage
@@ -69,7 +73,7 @@ type PollConfig struct {
 }
 
 // DefaultPollConfig returns the [poll] section with every key at its
-// default, both protocols and [manage] at its defaults (off).
+// default, every list drawn and [manage] at its defaults (off).
 func DefaultPollConfig() PollConfig {
 	return PollConfig{
 		IPList:        10 * time.Minute,
@@ -78,7 +82,6 @@ func DefaultPollConfig() PollConfig {
 		Account:       15 * time.Minute,
 		Jitter:        0.1,
 		MaxBackoff:    10 * time.Minute,
-		Protocols:     []string{"http", "socks5"},
 		Manage:        DefaultManageConfig(),
 	}
 }
@@ -100,11 +103,6 @@ func (c PollConfig) Validate() error {
 		errs = append(errs, fmt.Errorf("jitter: must be within 0–0.5, got %g", c.Jitter))
 	}
 	// Services come from the [api] section, whose Validate checks them.
-	for _, p := range c.Protocols {
-		if p != "http" && p != "socks5" {
-			errs = append(errs, fmt.Errorf("unknown upstream protocol %q", p))
-		}
-	}
 	return errors.Join(errs...)
 }
 
@@ -245,7 +243,6 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 
 func cloneConfig(c PollConfig) PollConfig {
 	c.Services = slices.Clone(c.Services)
-	c.Protocols = slices.Clone(c.Protocols)
 	return c
 }
 
@@ -644,18 +641,6 @@ func (p *Poller) wake(l Loop) {
 	}
 }
 
-// SetProtocols changes which upstream protocols the listeners dial, and so
-// which IP lists are fetched (after a reload); the lists loop polls at once.
-func (p *Poller) SetProtocols(protocols []string) {
-	p.mu.Lock()
-	changed := !slices.Equal(p.cfg.Protocols, protocols)
-	p.cfg.Protocols = slices.Clone(protocols)
-	p.mu.Unlock()
-	if changed {
-		p.Kick(LoopLists)
-	}
-}
-
 // Seed tells the poller the sizes of the lists the daemon serves from its
 // saved state, so that the first poll after a restart gets the same
 // shrink confirmation as any later one. Keys are "<service>/<list type>"
@@ -951,20 +936,23 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 	return unitErr
 }
 
-// listTypes returns the IP list types a service of kind needs for the
-// given upstream protocols (one list per service and protocol): fpr http
-// from http-auth, fpr socks5 from socks-ip, ppr from ppr-http and ppr-socks.
-func listTypes(kind string, protocols []string) []string {
+// listTypes returns the IP list types of service id, of kind, that some
+// listener draws (cfg.Draws), one list per protocol: fpr http from
+// http-auth, fpr socks5 from socks-ip, ppr from ppr-http and ppr-socks.
+func listTypes(cfg PollConfig, id int, kind string) []string {
 	var types []string
-	for _, proto := range protocols {
+	for _, proto := range []string{"http", "socks5"} {
+		if cfg.Draws != nil && !cfg.Draws(id, kind, proto) {
+			continue
+		}
 		switch {
 		case kind == "ppr" && proto == "http":
 			types = append(types, "ppr-http")
-		case kind == "ppr" && proto == "socks5":
+		case kind == "ppr":
 			types = append(types, "ppr-socks")
 		case proto == "http":
 			types = append(types, "http-auth")
-		case proto == "socks5":
+		default:
 			types = append(types, "socks-ip")
 		}
 	}
@@ -1022,7 +1010,10 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	}
 	lists := map[string][]Entry{}
 	ok = true
-	for _, typ := range listTypes(kind, cfg.Protocols) {
+	wanted := listTypes(cfg, id, kind)
+	// Sessions become upstreams only through a drawn ppr list.
+	wantSticky := kind == "ppr" && len(wanted) > 0
+	for _, typ := range wanted {
 		l, err := p.fetchList(ctx, owner, client, id, typ)
 		p.beat(owner)
 		if err != nil {
@@ -1037,7 +1028,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	}
 	var sticky []StickySession
 	stickyOK := true
-	if kind == "ppr" {
+	if wantSticky {
 		sl, err := client.StickyList(ctx, id)
 		p.beat(owner)
 		if err != nil {
@@ -1081,16 +1072,19 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 			st.Lists[typ] = l
 		}
 	}
-	// A type no listener dials any more (a reload changed the protocols)
+	// A type no listener draws any more (a reload changed the listeners)
 	// goes: its upstreams would serve no one, and its IPs would count in
-	// the list-update share.
-	wanted := listTypes(kind, cfg.Protocols)
+	// the list-update share. Sessions likewise: unserved, an errored exit
+	// IP would still have them rotated.
 	for typ := range st.Lists {
 		if !slices.Contains(wanted, typ) {
 			delete(st.Lists, typ)
 		}
 	}
-	if stickyOK && kind == "ppr" {
+	if !wantSticky {
+		st.Sticky = nil
+	}
+	if stickyOK && wantSticky {
 		if take(fmt.Sprintf("%d/sticky", id), "sticky session list", len(sticky)) {
 			st.Sticky = sticky
 		}

@@ -67,6 +67,12 @@ func interceptClient(t *testing.T, sim *providersim.Sim, timeout time.Duration, 
 }
 
 // pollConfig is DefaultPollConfig changed by set.
+// drawn is PollConfig.Draws for listeners that dial these protocols and
+// draw every service of either kind.
+func drawn(protocols ...string) func(int, string, string) bool {
+	return func(_ int, _, protocol string) bool { return slices.Contains(protocols, protocol) }
+}
+
 func pollConfig(set func(c *PollConfig)) PollConfig {
 	c := DefaultPollConfig()
 	set(&c)
@@ -178,7 +184,7 @@ func TestPollerServesActiveServices(t *testing.T) {
 }
 
 func TestPollerConfiguredServicesAndProtocols(t *testing.T) {
-	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101, 103}; c.Protocols = []string{"http"} }))
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101, 103}; c.Draws = drawn("http") }))
 	pollAll(t, p)
 	s := p.Snapshot()
 	if len(s.Services) != 1 || s.Services[0].ID != 101 {
@@ -209,7 +215,7 @@ func TestPollerConfiguredServicesAndProtocols(t *testing.T) {
 func TestPollerConfirmsShrinkingLists(t *testing.T) {
 	clock := newFakeClock()
 	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols, c.Now = []int{101}, []string{"http"}, clock.Now
+		c.Services, c.Draws, c.Now = []int{101}, drawn("http"), clock.Now
 	}))
 	pollAll(t, p)
 	full := len(serviceByID(p.Snapshot(), 101).Lists["http-auth"])
@@ -439,7 +445,7 @@ func rotateRateLimited(err error) bool {
 func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 	clock := newFakeClock()
 	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols, c.Now = []int{101}, []string{"http"}, clock.Now
+		c.Services, c.Draws, c.Now = []int{101}, drawn("http"), clock.Now
 	}))
 	p.Seed(map[string]int{"101/http-auth": 3})
 	sim.SetEntries(101, "http-auth", nil)
@@ -462,7 +468,7 @@ func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 	}
 
 	// Without a seed, an empty first list needs confirmation as well.
-	q, sim2, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Protocols = []string{"http"} }))
+	q, sim2, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101}; c.Draws = drawn("http") }))
 	sim2.SetEntries(101, "http-auth", nil)
 	for _, l := range []Loop{LoopAccount, LoopLists} {
 		if err := q.PollOnce(ctx, l); err != nil {
@@ -535,25 +541,29 @@ func TestPollerAliveDuringSlowAccountRound(t *testing.T) {
 	}
 }
 
-func TestPollerSetProtocolsFetchesNewLists(t *testing.T) {
-	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
+func TestPollerReconfigureFetchesNewlyDrawnLists(t *testing.T) {
+	cfg := pollConfig(func(c *PollConfig) {
 		c.Services = []int{101}
-		c.Protocols = []string{"http"}
+		c.Draws = drawn("http")
 		c.IPList = time.Hour
 		c.Account = time.Hour
 		c.NetworkStatus = time.Hour
 		c.Usage = time.Hour
-	}))
+	})
+	p, _, _ := newPollerForTest(t, cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); p.Run(ctx) }()
 	defer func() { cancel(); <-done }()
 	waitUntil(t, 5*time.Second, "no lists round has run", func() bool { return p.Rounds(LoopLists) > 0 })
 	if st := serviceByID(p.Snapshot(), 101); st == nil || len(st.Lists["socks-ip"]) > 0 {
-		t.Fatalf("before SetProtocols: %+v, want service 101 without a socks-ip list", st)
+		t.Fatalf("before the reload: %+v, want service 101 without a socks-ip list", st)
 	}
-	p.SetProtocols([]string{"http", "socks5"})
-	waitUntil(t, 5*time.Second, "the socks-ip list was not fetched after SetProtocols", func() bool {
+	cfg.Draws = drawn("http", "socks5")
+	if err := p.Reconfigure(p.client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, 5*time.Second, "the socks-ip list was not fetched after the reload", func() bool {
 		st := serviceByID(p.Snapshot(), 101)
 		return st != nil && len(st.Lists["socks-ip"]) > 0
 	})
@@ -1295,7 +1305,7 @@ func TestPollerClocksBounded(t *testing.T) {
 func TestPollerConfigNow(t *testing.T) {
 	clock := newFakeClock()
 	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols, c.Now = []int{101}, []string{"http"}, clock.Now
+		c.Services, c.Draws, c.Now = []int{101}, drawn("http"), clock.Now
 	}))
 	pollAll(t, p)
 	if got := p.Snapshot().Time; !got.Equal(clock.Now()) {
@@ -1352,7 +1362,7 @@ func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
 				return false
 			})
 			p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
-				c.Services, c.Protocols = []int{101}, []string{"http", "socks5"}
+				c.Services = []int{101}
 				c.Now = clock.Now
 			}), nil, nil)
 			if err != nil {
@@ -1382,18 +1392,24 @@ func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
 	}
 }
 
-// A list type no listener dials any more after a reload leaves the
-// service at the next lists round, with its upstreams.
-func TestPollerDropsListsOfProtocolsGone(t *testing.T) {
-	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
-		c.Services, c.Protocols = []int{101}, []string{"http", "socks5"}
-	}))
+// A list type no listener draws any more after a reload leaves the
+// service at the next lists round, with its upstreams; a ppr service no
+// listener draws loses its sticky sessions too.
+func TestPollerDropsListsNoLongerDrawn(t *testing.T) {
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
+	p, _, _ := newPollerForTest(t, cfg)
 	pollAll(t, p)
 	st := serviceByID(p.Snapshot(), 101)
 	if st == nil || len(st.Lists["http-auth"]) == 0 || len(st.Lists["socks-ip"]) == 0 {
 		t.Fatalf("both lists before: %+v", st)
 	}
-	p.SetProtocols([]string{"http"})
+	if st := serviceByID(p.Snapshot(), 102); st == nil || len(st.Sticky) == 0 || len(st.Lists) == 0 {
+		t.Fatalf("ppr lists and sessions before: %+v", st)
+	}
+	cfg.Draws = func(_ int, kind, protocol string) bool { return kind == "fpr" && protocol == "http" }
+	if err := p.Reconfigure(p.client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
 	if err := p.PollOnce(context.Background(), LoopLists); err != nil {
 		t.Fatal(err)
 	}
@@ -1405,5 +1421,51 @@ func TestPollerDropsListsOfProtocolsGone(t *testing.T) {
 		if u.Protocol != "http" {
 			t.Errorf("upstream %+v of a protocol no listener dials", u)
 		}
+	}
+	st = serviceByID(p.Snapshot(), 102)
+	if len(st.Lists) != 0 || len(st.Sticky) != 0 || len(st.Upstreams()) != 0 || len(st.UnservedSessions()) != 0 {
+		t.Errorf("ppr service no listener draws kept lists %v, sessions %v", slices.Collect(maps.Keys(st.Lists)), st.Sticky)
+	}
+}
+
+// Only what some listener draws is fetched: by kind (an fpr-only config
+// asks for no ppr list and no sticky session) and by service.
+func TestPollerFetchesOnlyDrawnLists(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		draws func(int, string, string) bool
+		want  map[int][]string // service: list types held after a round
+	}{
+		{"fpr listeners", func(_ int, kind, _ string) bool { return kind == "fpr" },
+			map[int][]string{101: {"http-auth", "socks-ip"}, 102: nil, 104: nil}},
+		{"one service over socks5", func(id int, _, protocol string) bool { return id == 102 && protocol == "socks5" },
+			map[int][]string{101: nil, 102: {"ppr-socks"}, 104: nil}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101, 102, 104}; c.Draws = tt.draws }))
+			pollAll(t, p)
+			lists := 0
+			for id, want := range tt.want {
+				st := serviceByID(p.Snapshot(), id)
+				if st == nil {
+					t.Fatalf("service %d not served", id)
+				}
+				got := slices.Sorted(maps.Keys(st.Lists))
+				if !slices.Equal(got, want) {
+					t.Errorf("service %d holds lists %v, want %v", id, got, want)
+				}
+				lists += len(want)
+			}
+			if n := sim.Requests("/api/iplist/{typel}/{formatl}/{id}"); n != lists {
+				t.Errorf("%d list requests, want %d", n, lists)
+			}
+			wantSticky := 0
+			if tt.draws(102, "ppr", "socks5") {
+				wantSticky = 1
+			}
+			if n := sim.Requests("/api/sticky/list/{id}"); n != wantSticky {
+				t.Errorf("%d sticky-session requests, want %d", n, wantSticky)
+			}
+		})
 	}
 }

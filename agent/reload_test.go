@@ -129,7 +129,7 @@ func TestPollerReconfigureSameProvider(t *testing.T) {
 	sim, client := simServer(t)
 	sim.SetEntries(104, "ppr-http", gatewayEntries(6))
 	clock := newFakeClock()
-	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{104}; c.Protocols = []string{"http"}; c.Now = clock.Now })
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{104}; c.Draws = drawn("http"); c.Now = clock.Now })
 	p, err := NewPoller(client, cfg, nil, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -178,6 +178,7 @@ func (d *daemon) pollConfig(c config) agent.PollConfig {
 	pc := pollConfig(c)
 	pc.Manage = c.Manage
 	pc.OnEvent = d.agentEvent
+	pc.Draws = draws(listenerSlices(c.Listener))
 	return pc
 }
 

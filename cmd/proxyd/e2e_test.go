@@ -1026,6 +1026,46 @@ func TestDaemonSuspendedServiceLeaves(t *testing.T) {
 	})
 }
 
+// Lists no listener draws are not fetched: with fpr listeners only, the
+// rotating service's sticky sessions are never asked for and none of its
+// upstreams is in the pool; a reload whose listeners draw it fetches them.
+func TestDaemonFetchesOnlyDrawnLists(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) {
+		for i := range c.Listener {
+			c.Listener[i].Kind = "fpr"
+		}
+	})
+	e.waitReady()
+	e.pollOnce(agent.LoopLists)
+	pprUpstreams := func() int {
+		n := 0
+		st := e.poolState()
+		for _, u := range st.Upstreams {
+			if u.Service == demoPPR {
+				n++
+			}
+		}
+		return n + len(st.Unserved)
+	}
+	if n := w.sim.Requests("/api/sticky/list/{id}"); n != 0 {
+		t.Errorf("%d sticky-session requests with no listener drawing ppr", n)
+	}
+	if n := pprUpstreams(); n != 0 {
+		t.Errorf("%d upstreams or sessions of service %d in the pool, which no listener draws", n, demoPPR)
+	}
+	next := e.cfg
+	next.Listener = slices.Clone(e.cfg.Listener)
+	next.Listener[0].Kind = ""
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	e.cfg = next
+	waitFor(t, "the ppr service's upstreams after the reload", 5*time.Second, func() bool {
+		return w.sim.Requests("/api/sticky/list/{id}") > 0 && pprUpstreams() > 0
+	})
+}
+
 // TestDaemonReloadChangedListenerUnderLoad reloads a listener whose settings
 // change on the same address while clients keep connecting: the socket is
 // handed over, so no connection is refused or reset. A failing reload that

@@ -33,7 +33,7 @@ import (
 type reloadPlan struct {
 	API       bool // [api]: a new client (base URL, credential keys, timeout); token_file is re-read even when unchanged
 	Provider  bool // base URL or credential keys changed: the next lists replace the old ones without confirmation
-	Poll      bool // [poll] intervals, services, listener protocols, [manage]: the poll loops reconfigure
+	Poll      bool // [poll] intervals, services, what listeners draw, [manage]: the poll loops reconfigure
 	Pool      bool // [pool]: applies to the next pick; health state and sticky keys stay
 	Listeners bool // [[listener]]: some start, move or retire (sockets of unchanged ones untouched)
 	Admin     bool // [admin] address or token: a new socket, or a new handler on the same one
@@ -51,7 +51,7 @@ func planReload(old, next config) reloadPlan {
 	p.API = p.Provider || old.API.Timeout != next.API.Timeout
 	p.Services = !slices.Equal(old.API.Services, next.API.Services)
 	p.Poll = p.Services || !reflect.DeepEqual(pollConfig(old), pollConfig(next)) ||
-		!reflect.DeepEqual(old.Manage, next.Manage)
+		!reflect.DeepEqual(old.Manage, next.Manage) || !reflect.DeepEqual(drawnBy(old.Listener), drawnBy(next.Listener))
 	p.Pool = !reflect.DeepEqual(old.Pool, next.Pool)
 	p.Listeners = !reflect.DeepEqual(old.Listener, next.Listener)
 	p.AdminMove = old.Admin.Address != next.Admin.Address
@@ -60,6 +60,16 @@ func planReload(old, next config) reloadPlan {
 	p.Log = old.Log != next.Log
 	p.Shutdown = old.Shutdown != next.Shutdown
 	return p
+}
+
+// drawnBy is what the listeners draw, whatever their names: a change of it
+// changes which lists the poll loops fetch (agent.PollConfig.Draws).
+func drawnBy(ls []listenerConfig) []pool.ListenerSlice {
+	out := listenerSlices(ls)
+	for i := range out {
+		out[i].Name = ""
+	}
+	return out
 }
 
 // changed names the sections a plan touches, for the log.

@@ -56,6 +56,14 @@ func TestPlanReload(t *testing.T) {
 			c.Listener = append([]listenerConfig(nil), c.Listener...)
 			c.Listener[1].Upstream = "http" // the poller fetches other lists
 		}, reloadPlan{Listeners: true, Poll: true}},
+		{"listener kind", func(c *config) {
+			c.Listener = append([]listenerConfig(nil), c.Listener...)
+			c.Listener[0].Kind = "fpr" // the poller fetches fewer lists
+		}, reloadPlan{Listeners: true, Poll: true}},
+		{"listener name", func(c *config) {
+			c.Listener = append([]listenerConfig(nil), c.Listener...)
+			c.Listener[0].Name = "web" // draws what it drew
+		}, reloadPlan{Listeners: true}},
 		{"admin address", func(c *config) { c.Admin.Address = "127.0.0.1:9999" }, reloadPlan{Admin: true, AdminMove: true}},
 		{"admin token", func(c *config) { c.Admin.Token = "t" }, reloadPlan{Admin: true}},
 		{"admin token file", func(c *config) { c.Admin.TokenFile = "/run/t" }, reloadPlan{Admin: true}},

@@ -5,7 +5,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -35,18 +34,27 @@ func listenerSlices(ls []listenerConfig) []pool.ListenerSlice {
 	return out
 }
 
-// pollConfig is [poll] with what the other sections say the loops must
-// fetch: the services of [api] and the protocols the listeners dial.
+// pollConfig is [poll] with the services of [api]. What the listeners
+// draw is added by daemon.pollConfig: a function, which reload plans
+// cannot compare, so they compare drawnBy instead.
 func pollConfig(c config) agent.PollConfig {
 	pc := c.Poll
 	pc.Services = c.API.Services
-	pc.Protocols = nil
-	for _, l := range c.Listener {
-		if !slices.Contains(pc.Protocols, l.Upstream) {
-			pc.Protocols = append(pc.Protocols, l.Upstream)
-		}
-	}
 	return pc
+}
+
+// draws is agent.PollConfig.Draws for these listeners, by the pool's own
+// rule of which upstreams a listener draws (ListenerSlice.Covers): lists
+// no listener draws are not fetched.
+func draws(ls []pool.ListenerSlice) func(service int, kind, protocol string) bool {
+	return func(service int, kind, protocol string) bool {
+		for i := range ls {
+			if ls[i].Covers(service, pool.Kind(kind), pool.Protocol(protocol)) {
+				return true
+			}
+		}
+		return false
+	}
 }
 
 func logLevel(s string) slog.Level {
