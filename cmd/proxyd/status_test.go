@@ -231,12 +231,20 @@ func jsonText(v any) string {
 
 // statusDaemon starts a daemon against the demo world with upstreams in
 // several states: one on the provider's errored list, one on its inactive
-// list, one ejected after its proxy stopped, and the ppr service at 700 of
+// list, one ejected (for an hour) after its proxy stopped, and the ppr service at 700 of
 // its 1024 usage limit. mutate, if not nil, changes the config further.
 func statusDaemon(t *testing.T, w *demoWorld, mutate func(*config)) (e *e2e, errored string) {
 	t.Helper()
 	w.sim.SetUsage(demoPPR, 700, 1024)
-	e = startDaemon(t, w, t.TempDir(), mutate)
+	e = startDaemon(t, w, t.TempDir(), func(c *config) {
+		// The ejection outlasts the test: the demo's 10 s (8 s with its
+		// jitter) ended while a loaded machine started Chromium, and the
+		// page then showed "probing" where /pool had said "ejected".
+		c.Pool.EjectBase, c.Pool.EjectMax = time.Hour, time.Hour
+		if mutate != nil {
+			mutate(c)
+		}
+	})
 	e.waitReady()
 	bad := w.fprHTTP[0]
 	w.sim.MarkErrored(demoFPR, hostOf(bad.Addr()))
