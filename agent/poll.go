@@ -116,6 +116,10 @@ type ServiceState struct {
 	Inactive    []string           // networkstatus/inactive
 	Rate, Limit float64            // ppr usage; HasUsage when known
 	HasUsage    bool
+	// UsageEmpty: the last rate answer was an empty array, so the service
+	// has no figures (any more) to weigh against a quota. Both false:
+	// not read yet.
+	UsageEmpty bool
 	// ListsKnown: every needed list was fetched and swapped in at least
 	// once, so the daemon may serve what they give instead of what it had.
 	// A list awaiting confirmation (see Poller.confirm) holds the service
@@ -1245,12 +1249,13 @@ func (p *Poller) pollUsage(ctx context.Context, r roundStart, units []unit) erro
 			}
 			continue
 		}
-		if len(rate) == 0 {
-			continue
-		}
 		p.mu.Lock()
 		if st := p.services[id]; st != nil && p.gen == gen {
-			st.Rate, st.Limit, st.HasUsage = rate[0].Rate, rate[0].Limit, true
+			if len(rate) == 0 {
+				st.Rate, st.Limit, st.HasUsage, st.UsageEmpty = 0, 0, false, true
+			} else {
+				st.Rate, st.Limit, st.HasUsage, st.UsageEmpty = rate[0].Rate, rate[0].Limit, true, false
+			}
 		}
 		p.mu.Unlock()
 	}

@@ -811,6 +811,33 @@ func TestPollerRunStatusBackoffPerService(t *testing.T) {
 // The usage loop likewise: service 104's failing rate backs off alone and
 // service 102's rate is read every usage interval. Kick polls every
 // service at once, the one backing off included.
+// An empty rate answer leaves the service without figures: the last ones
+// are not kept (a quota they reached would never lift), and the state says
+// it was read, unlike a service not read yet.
+func TestPollerEmptyRateClearsUsage(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{102} }))
+	pollAll(t, p)
+	st := serviceByID(p.Snapshot(), 102)
+	if st == nil || !st.HasUsage || st.UsageEmpty || st.Limit != 1024 {
+		t.Fatalf("usage before: %+v", st)
+	}
+	sim.ClearUsage(102)
+	if err := p.PollOnce(context.Background(), LoopUsage); err != nil {
+		t.Fatal(err)
+	}
+	st = serviceByID(p.Snapshot(), 102)
+	if st.HasUsage || !st.UsageEmpty || st.Rate != 0 || st.Limit != 0 {
+		t.Errorf("after an empty answer: has %v, empty %v, rate %g of %g", st.HasUsage, st.UsageEmpty, st.Rate, st.Limit)
+	}
+	sim.SetUsage(102, 10, 100)
+	if err := p.PollOnce(context.Background(), LoopUsage); err != nil {
+		t.Fatal(err)
+	}
+	if st = serviceByID(p.Snapshot(), 102); !st.HasUsage || st.UsageEmpty || st.Rate != 10 || st.Limit != 100 {
+		t.Errorf("figures again: %+v", st)
+	}
+}
+
 func TestPollerUsageBackoffPerService(t *testing.T) {
 	sim, c, requests := failingService(t, 104, "/api/rate/")
 	clock := newFakeClock()

@@ -358,9 +358,7 @@ func (m *Metrics) SetServices(ids []int) {
 	}
 	for id := range old {
 		if next[id] == nil {
-			s := strconv.Itoa(id)
-			m.usageRate.DeleteLabelValues(s)
-			m.usageLimit.DeleteLabelValues(s)
+			m.ForgetUsage(id)
 		}
 	}
 	m.services.Store(&next)
@@ -447,6 +445,14 @@ func (m *Metrics) SetAccount(a Account) {
 	m.mu.Lock()
 	m.account = a
 	m.mu.Unlock()
+}
+
+// ForgetUsage removes a ppr service's usage gauges: the provider has no
+// figures for it (any more).
+func (m *Metrics) ForgetUsage(service int) {
+	s := strconv.Itoa(service)
+	m.usageRate.DeleteLabelValues(s)
+	m.usageLimit.DeleteLabelValues(s)
 }
 
 // SetUsage sets the usage rate and limit of a ppr service.

@@ -124,6 +124,10 @@ func (s *Sim) rate(w http.ResponseWriter, r *http.Request) {
 	if sv == nil {
 		return
 	}
+	if sv.noUsage {
+		writeJSON(w, http.StatusOK, []object{})
+		return
+	}
 	writeJSON(w, http.StatusOK, []object{{{"limit", sv.usageLimit}, {"rate", sv.usageRate}}})
 }
 

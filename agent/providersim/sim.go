@@ -388,11 +388,18 @@ func (s *Sim) ClearStatus(id int) {
 // /api/stats (when the service has stats).
 func (s *Sim) SetUsage(id int, rate, limit float64) {
 	s.withService(id, func(sv *service) {
-		sv.usageRate, sv.usageLimit = rate, limit
+		sv.usageRate, sv.usageLimit, sv.noUsage = rate, limit, false
 		if n := len(sv.stats); n > 0 {
 			sv.stats[n-1] = rate
 		}
 	})
+}
+
+// ClearUsage makes /api/rate answer an empty array for a service, as the
+// provider may for one it has no figures for; SetUsage gives it figures
+// again.
+func (s *Sim) ClearUsage(id int) {
+	s.withService(id, func(sv *service) { sv.noUsage = true })
 }
 
 // SetServiceStatus sets the status of a service (Active, Pending,

@@ -91,6 +91,7 @@ type service struct {
 	errored, inactive []string
 	usageRate         float64
 	usageLimit        float64
+	noUsage           bool      // /api/rate answers []
 	stats             []float64 // one per day, the last one is today
 	sessions          []Session
 	lastListUpdate    time.Time // zero: never updated

@@ -496,9 +496,15 @@ func (d *daemon) apply(agent.Snapshot) {
 			d.pool.SetProviderStatus(st.ID, saved.Errored, saved.Inactive)
 			d.status[st.ID] = saved
 		}
-		if st.HasUsage {
+		switch {
+		case st.HasUsage:
 			d.pool.SetUsage(st.ID, st.Rate, st.Limit) // the pool weighs it against quota_headroom
 			d.metrics.SetUsage(st.ID, st.Rate, st.Limit)
+		case st.UsageEmpty:
+			// No figures any more: no quota to weigh, no gauge to show.
+			// (Not read yet, the usage restored from the state file stays.)
+			d.pool.SetUsage(st.ID, 0, 0)
+			d.metrics.ForgetUsage(st.ID)
 		}
 		account.Services = append(account.Services, metrics.ServiceInfo{
 			ID: st.ID, Product: st.Record.ProductName, Kind: st.Record.ProductType,

@@ -644,6 +644,21 @@ func TestDaemonQuotaMovesTrafficElsewhere(t *testing.T) {
 	if !strings.Contains(body, `proxyd_usage_limit{service="102"} 1024`) {
 		t.Errorf("usage metrics:\n%s", grepLines(body, "proxyd_usage"))
 	}
+	// An empty rate answer (the provider has no figures) lifts the quota:
+	// nothing is left to weigh, and no gauge shows stale figures.
+	w.sim.ClearUsage(demoPPR)
+	e.pollOnce(agent.LoopUsage)
+	waitFor(t, "the quota to lift after an empty rate answer", 5*time.Second, func() bool {
+		for _, u := range e.poolState().Upstreams {
+			if u.Service == demoPPR && u.State == pool.Quota {
+				return false
+			}
+		}
+		return true
+	})
+	if _, body := e.admin("/metrics"); strings.Contains(body, `proxyd_usage_limit{service="102"}`) {
+		t.Errorf("usage gauges after an empty rate answer:\n%s", grepLines(body, "proxyd_usage"))
+	}
 }
 
 func TestDaemonPoolEndpointAndCommand(t *testing.T) {
