@@ -232,9 +232,14 @@ func (c Config) ResolveCredential(getenv func(string) string) (Config, string, e
 		c.Token, c.TokenFile, c.PasswordFile = "", "", ""
 		return c, SourceLogin, nil
 	}
-	return c, "", errors.New("token: no API credential: set " + TokenEnv +
-		", token_file, token, a systemd credential \"token\", or login with password or password_file")
+	return c, "", fmt.Errorf("token: %w: set %s, token_file, token, a systemd credential \"token\", or login with password or password_file",
+		ErrNoCredential, TokenEnv)
 }
+
+// ErrNoCredential is ResolveCredential's error when nothing gives a
+// credential: where the service's environment would (PROXYD_API_TOKEN, a
+// systemd credential), another process may see none.
+var ErrNoCredential = errors.New("no API credential")
 
 // credentialProblem reports a Config that New cannot authenticate with:
 // ResolveCredential's result is expected.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io/fs"
 
 	"github.com/proxyd/proxyd/agent"
 )
@@ -20,33 +21,42 @@ func cmdCheck(args []string, io stdio) int {
 	var errs configErrors
 	switch {
 	case errors.As(err, &errs):
-		for _, e := range errs {
-			fmt.Fprintf(io.err, "%s: %v\n", *path, e)
-		}
-		fmt.Fprintf(io.err, "%d problem(s)\n", len(errs))
-		return 1
+		return printProblems(io, *path, errs)
 	case err != nil:
 		fmt.Fprintf(io.err, "proxyd check: %v\n", err)
 		return 1
 	}
+	// The secrets are read as run reads them. What may differ where check
+	// runs (a file only the service's user can read, or that exists only
+	// under systemd; a credential only the unit's environment gives) is a
+	// warning; a secret that was read and is unusable fails run too, so it
+	// is a problem here.
+	var problems configErrors
+	report := func(e keyError) {
+		if environmental(e) {
+			fmt.Fprintf(io.err, "%s: warning: %v\n", *path, e)
+		} else {
+			problems = append(problems, e)
+		}
+	}
 	if _, _, err := cfg.API.ResolveCredential(io.getenv); err != nil {
-		err = sectionProblems("api", err) // the key with its section, as the file writes it
-		// Not fatal here: under systemd the credential may come from
-		// $CREDENTIALS_DIRECTORY or the unit's environment only.
-		fmt.Fprintf(io.err, "%s: warning: %v\n", *path, err)
+		for _, e := range sectionProblems("api", err) { // the key with its section, as the file writes it
+			report(keyError{Key: e.Key, Msg: e.Msg, err: err})
+		}
 	}
 	if f := cfg.Admin.TokenFile; f != "" {
 		if _, err := agent.ReadTokenFile(f); err != nil {
-			// A warning for the same reason: the file may be readable only
-			// by the service's own user.
-			fmt.Fprintf(io.err, "%s: warning: admin.token_file: %v\n", *path, err)
+			report(keyError{Key: "admin.token_file", Msg: err.Error(), err: err})
 		}
 	}
 	var unread configErrors
 	if errors.As(cfg.readPasswordFiles(), &unread) {
-		for _, e := range unread { // warnings for the reason above
-			fmt.Fprintf(io.err, "%s: warning: %v\n", *path, e)
+		for _, e := range unread {
+			report(e)
 		}
+	}
+	if len(problems) > 0 {
+		return printProblems(io, *path, problems)
 	}
 	if *printCfg {
 		fmt.Fprint(io.out, printConfig(cfg))
@@ -54,6 +64,23 @@ func cmdCheck(args []string, io stdio) int {
 	}
 	fmt.Fprintf(io.out, "%s: ok (%d listeners)\n", *path, len(cfg.Listener))
 	return 0
+}
+
+// printProblems says every problem with its key and returns check's exit
+// code for them.
+func printProblems(io stdio, path string, errs configErrors) int {
+	for _, e := range errs {
+		fmt.Fprintf(io.err, "%s: %v\n", path, e)
+	}
+	fmt.Fprintf(io.err, "%d problem(s)\n", len(errs))
+	return 1
+}
+
+// environmental reports whether a secret's error may come from where check
+// runs rather than from the config: a file this user cannot read or that
+// does not exist here, or no credential in this environment.
+func environmental(err error) bool {
+	return errors.Is(err, fs.ErrPermission) || errors.Is(err, fs.ErrNotExist) || errors.Is(err, agent.ErrNoCredential)
 }
 
 // parseFlags parses a command's flags and refuses arguments after them

@@ -87,7 +87,7 @@ func (c *config) readPasswordFiles() error {
 			pw, err := agent.ReadSecretFile(u.PasswordFile)
 			switch {
 			case err != nil:
-				errs = append(errs, keyError{Key: key, Msg: err.Error()})
+				errs = append(errs, keyError{Key: key, Msg: err.Error(), err: err})
 			case len(pw) > socks5.MaxCredentialBytes:
 				errs = append(errs, keyError{Key: key, Msg: fmt.Sprintf("reading %s: the password must be at most %d bytes (RFC 1929)", u.PasswordFile, socks5.MaxCredentialBytes)})
 			}

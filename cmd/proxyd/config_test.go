@@ -462,4 +462,27 @@ func TestCheckCommand(t *testing.T) {
 	if code, out := run(path); code != 0 || !strings.Contains(out, "warning: listener[0].user[1].password_file: reading "+missing) {
 		t.Errorf("unreadable listener[0].user[1].password_file: exit %d\n%s", code, out)
 	}
+	// No credential where check runs: a warning too (the unit's
+	// environment or a systemd credential may give it).
+	os.WriteFile(path, []byte("[admin]\naddress = \"127.0.0.1:9900\"\n"), 0o600)
+	if code, out := run(path); code != 0 || !strings.Contains(out, "warning: api.token: no API credential") {
+		t.Errorf("no credential: exit %d\n%s", code, out)
+	}
+	// A secret that was read and cannot be used fails run, so it fails
+	// check: each by its key.
+	twoLines := filepath.Join(t.TempDir(), "two-lines")
+	os.WriteFile(twoLines, []byte("one\ntwo\n"), 0o600)
+	long := filepath.Join(t.TempDir(), "long")
+	os.WriteFile(long, []byte(strings.Repeat("p", 256)), 0o600)
+	for _, tt := range []struct{ name, file, want string }{
+		{"api.token_file", "[api]\ntoken_file = \"" + twoLines + "\"\n", "api.token_file: reading " + twoLines + ": more than one line"},
+		{"admin.token_file", "[api]\ntoken = \"t\"\n[admin]\ntoken_file = \"" + twoLines + "\"\n", "admin.token_file: reading " + twoLines + ": more than one line"},
+		{"password_file", "[api]\ntoken = \"t\"\n[[listener]]\nname = \"h\"\nprotocol = \"http\"\naddress = \"127.0.0.1:8080\"\n" +
+			"[[listener.user]]\nname = \"b\"\npassword_file = \"" + long + "\"\n", "listener[0].user[0].password_file: reading " + long + ": the password must be at most 255 bytes"},
+	} {
+		os.WriteFile(path, []byte(tt.file), 0o600)
+		if code, out := run(path); code != 1 || !strings.Contains(out, "c.toml: "+tt.want) || !strings.Contains(out, "1 problem(s)") || strings.Contains(out, "warning") {
+			t.Errorf("%s unusable: exit %d\n%s", tt.name, code, out)
+		}
+	}
 }

@@ -14,7 +14,10 @@ import (
 type keyError struct {
 	Key string
 	Msg string
+	err error // the cause, when Msg is its text
 }
+
+func (e keyError) Unwrap() error { return e.err }
 
 func (e keyError) Error() string {
 	if e.Key == "" {
