@@ -106,6 +106,13 @@ func (c PollConfig) Validate() error {
 	return errors.Join(errs...)
 }
 
+// Serves reports whether service id may be served under this
+// configuration: every service when Services is empty (the account then
+// says which are Active), else only those listed.
+func (c PollConfig) Serves(id int) bool {
+	return len(c.Services) == 0 || slices.Contains(c.Services, id)
+}
+
 // ServiceState is what the agent knows of one served service.
 type ServiceState struct {
 	ID          int
@@ -257,8 +264,10 @@ func cloneConfig(c PollConfig) PollConfig {
 // (a new base URL or credential) clears the loops' clocks and lets the
 // next lists and service list replace the old ones without the
 // confirmation a far smaller list needs (the operator asked for the
-// change). A changed service set takes effect at the account round this
-// triggers, which kicks the other loops when it ends.
+// change). A service a narrower [api] services leaves out is dropped at
+// once (in Snapshot.Dropped, API answering or not); one it adds joins at
+// the account round this triggers, which kicks the other loops when it
+// ends. The caller applies the snapshot after it (no callback runs here).
 func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) error {
 	if err := errors.Join(cfg.Validate(), cfg.Manage.Validate()); err != nil {
 		return err
@@ -270,6 +279,20 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 	p.client = c
 	p.cfg = cloneConfig(cfg)
 	p.gen++
+	// A service left out of [api] services is not served from now on,
+	// whether or not the API answers the next account round: the daemon
+	// takes its upstreams out at the next snapshot, as for a suspended one.
+	for id := range p.services {
+		if !cfg.Serves(id) {
+			delete(p.services, id)
+			delete(p.manage, id)
+			if !slices.Contains(p.snap.Dropped, id) {
+				p.snap.Dropped = append(p.snap.Dropped, id)
+			}
+		}
+	}
+	p.snap.Wanted = slices.DeleteFunc(p.snap.Wanted, func(id int) bool { return !cfg.Serves(id) })
+	p.pruneClocks()
 	if providerChanged {
 		p.provider++
 		p.trusted = map[string]bool{}

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"net/http/httptest"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -159,5 +160,34 @@ func TestPollerReconfigureSameProvider(t *testing.T) {
 	}
 	if got := p.interval(LoopAccount); got != cfg.Account {
 		t.Errorf("a refused reload changed the account interval to %v", got)
+	}
+}
+
+// A reload that leaves a service out of [api] services drops it at once,
+// with the API failing: it is in Dropped, no longer in the snapshot, and
+// its lists are not asked for again.
+func TestPollerReconfigureNarrowsServices(t *testing.T) {
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
+	p, sim, _ := newPollerForTest(t, cfg)
+	pollAll(t, p)
+	if serviceByID(p.Snapshot(), 102) == nil {
+		t.Fatal("service 102 not served before the reload")
+	}
+	sim.FailNext(1<<30, 500, "down")
+	cfg.Services = []int{101}
+	if err := p.Reconfigure(p.client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	s := p.Snapshot()
+	if serviceByID(s, 102) != nil || !slices.Contains(s.Dropped, 102) || slices.Contains(s.Wanted, 102) {
+		t.Errorf("after the reload: served %v, dropped %v, wanted %v", s.Services, s.Dropped, s.Wanted)
+	}
+	if serviceByID(s, 101) == nil {
+		t.Error("service 101 left too")
+	}
+	for _, u := range p.units(LoopLists) {
+		if u.service == 102 {
+			t.Error("service 102 is still a unit of the lists loop")
+		}
 	}
 }

@@ -43,6 +43,7 @@ type daemon struct {
 	applyMu    sync.Mutex          // serializes apply
 	status     map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
 	lastSaved  string              // stateKey of the state file's content (guarded by applyMu)
+	fetched    time.Time           // the last successful lists refresh of the pool served, saved with it (guarded by applyMu)
 	stateMoved atomic.Bool         // a reload changed [state] dir: the next save writes there even if nothing changed
 	draining   atomic.Bool         // SIGTERM: the accept loops are closing on purpose
 	mu         sync.Mutex
@@ -527,12 +528,16 @@ func (d *daemon) apply(agent.Snapshot) {
 		}
 		d.metrics.SetServices(ids)
 	}
-	d.saveState()
 	// The state's age is that of the data served: the saved file's until
 	// the lists are fetched, then the last successful refresh, which makes
-	// it fresh even when nothing changed.
+	// it fresh even when nothing changed. The file keeps it, so that a
+	// restart during an outage tells the same age.
 	if !s.ListsUpdated.IsZero() {
-		d.metrics.SetStateTime(s.ListsUpdated)
+		d.fetched = s.ListsUpdated
+	}
+	d.saveState()
+	if !d.fetched.IsZero() {
+		d.metrics.SetStateTime(d.fetched)
 	}
 }
 
@@ -559,7 +564,7 @@ func (d *daemon) logPoolChange(prev, next []pool.Upstream) {
 // when they changed; d.applyMu is held.
 func (d *daemon) saveState() {
 	ups := d.pool.Upstreams()
-	st := &savedState{Version: stateVersion, Status: d.status, Usage: d.pool.Usage()}
+	st := &savedState{Version: stateVersion, Fetched: d.fetched, Status: d.status, Usage: d.pool.Usage()}
 	for _, u := range ups {
 		st.Upstreams = append(st.Upstreams, savedUpstream{
 			Service: u.Service, Kind: string(u.Kind), Protocol: string(u.Protocol), Address: u.Address,
@@ -609,21 +614,34 @@ func (d *daemon) loadState() {
 		d.log.Info("no saved pool state; waiting for the provider API", "dir", d.stateDir())
 		return
 	}
+	// Only the services the config serves: one left out of [api]
+	// services since the file was saved is not served from it.
+	d.mu.Lock()
+	pc := pollConfig(d.cfg)
+	d.mu.Unlock()
 	ups := make([]pool.Upstream, 0, len(st.Upstreams))
 	for _, u := range st.Upstreams {
-		ups = append(ups, poolUpstream(agent.UpstreamSpec(u)))
+		if pc.Serves(u.Service) {
+			ups = append(ups, poolUpstream(agent.UpstreamSpec(u)))
+		}
 	}
 	d.pool.Update(ups)
 	for id, s := range st.Status {
-		d.pool.SetProviderStatus(id, s.Errored, s.Inactive)
-		d.status[id] = s
+		if pc.Serves(id) {
+			d.pool.SetProviderStatus(id, s.Errored, s.Inactive)
+			d.status[id] = s
+		}
 	}
 	for id, u := range st.Usage {
-		d.pool.SetUsage(id, u.Rate, u.Limit)
+		if pc.Serves(id) {
+			d.pool.SetUsage(id, u.Rate, u.Limit)
+			d.metrics.SetUsage(id, u.Rate, u.Limit)
+		}
 	}
 	d.lastSaved = stateKey(st)
 	d.poller.Seed(seedSizes(st))
-	d.metrics.SetStateTime(st.Saved)
+	d.fetched = cmp.Or(st.Fetched, st.Saved) // a file from before "fetched" was kept
+	d.metrics.SetStateTime(d.fetched)
 	d.metrics.PoolUpdated(st.Saved)
 	d.log.Info("serving the saved pool until the provider API answers", "upstreams", len(ups), "saved", st.Saved.Format(time.RFC3339))
 }

@@ -350,8 +350,12 @@ func TestDaemonRestartServesFromState(t *testing.T) {
 		t.Error("the state file must hold the upstream credentials it serves with")
 	}
 
-	// Make the saved state an hour old, as after a long outage.
-	saved.Saved = saved.Saved.Add(-time.Hour)
+	// Make the saved state an hour old, as after a long outage: the lists
+	// were last fetched then.
+	if saved.Fetched.IsZero() {
+		t.Fatal("the state file does not say when its lists were fetched")
+	}
+	saved.Saved, saved.Fetched = saved.Saved.Add(-time.Hour), saved.Fetched.Add(-time.Hour)
 	if err := writeState(state, saved); err != nil {
 		t.Fatal(err)
 	}
@@ -1079,6 +1083,100 @@ func TestDaemonFetchesOnlyDrawnLists(t *testing.T) {
 	waitFor(t, "the ppr service's upstreams after the reload", 5*time.Second, func() bool {
 		return w.sim.Requests("/api/sticky/list/{id}") > 0 && pprUpstreams() > 0
 	})
+}
+
+// A restart while the API is down serves the saved pool as the file says,
+// within what the config now serves: a service left out of [api] services
+// is not restored, the saved usage shows in the metrics as it drives the
+// quota, and the state's age is that of the last successful refresh, not
+// of the last change of the file.
+func TestDaemonRestartFromStateFollowsConfig(t *testing.T) {
+	w := newWorld(t)
+	state := t.TempDir()
+	w.sim.SetUsage(demoPPR, 700, 1024)
+	e := startDaemon(t, w, state, nil)
+	e.waitReady()
+	e.pollOnce(agent.LoopUsage)
+	e.d.Close()
+	// The pool was saved an hour ago; since then refreshes found the same.
+	old, err := readState(state)
+	if err != nil || old == nil {
+		t.Fatalf("no state file: %v", err)
+	}
+	old.Saved, old.Fetched = old.Saved.Add(-time.Hour), old.Fetched.Add(-time.Hour)
+	if err := writeState(state, old); err != nil {
+		t.Fatal(err)
+	}
+	refreshed := time.Now()
+	e1 := startDaemon(t, w, state, nil)
+	e1.waitReady()
+	e1.pollOnce(agent.LoopLists)
+	e1.d.Close()
+	saved, err := readState(state)
+	if err != nil || saved == nil || saved.Fetched.Before(refreshed) {
+		t.Fatalf("the state file says its lists were fetched at %v, before the refresh at %v: %v", saved.Fetched, refreshed, err)
+	}
+	if saved.Usage[demoPPR].Limit != 1024 || !slices.ContainsFunc(saved.Upstreams, func(u savedUpstream) bool { return u.Service == demoPPR }) {
+		t.Fatalf("saved state without service %d's upstreams or usage: %+v", demoPPR, saved)
+	}
+
+	w.sim.FailNext(1<<30, 500, "down")
+	e2 := startDaemon(t, w, state, nil)
+	_, body := e2.admin("/metrics")
+	if !strings.Contains(body, `proxyd_usage_limit{service="102"} 1024`) {
+		t.Errorf("the restored usage is not in the metrics:\n%s", grepLines(body, "proxyd_usage"))
+	}
+	m := regexp.MustCompile(`(?m)^proxyd_state_age_seconds ([0-9.e+-]+)$`).FindStringSubmatch(body)
+	if m == nil {
+		t.Fatalf("no proxyd_state_age_seconds:\n%s", grepLines(body, "state_age"))
+	}
+	if age, _ := strconv.ParseFloat(m[1], 64); age > time.Since(refreshed).Seconds()+1 {
+		t.Errorf("state age %.1fs after a restart, but the lists were refreshed %.1fs ago", age, time.Since(refreshed).Seconds())
+	}
+	e2.d.Close()
+
+	e3 := startDaemon(t, w, state, func(c *config) { c.API.Services = []int{demoFPR} })
+	e3.waitReady()
+	for _, u := range e3.poolState().Upstreams {
+		if u.Service == demoPPR {
+			t.Errorf("%s restored, though service %d is no longer in api.services", u.ID, demoPPR)
+		}
+	}
+}
+
+// A reload that leaves a service out of [api] services takes its
+// upstreams out at once, while the API is down too.
+func TestDaemonReloadNarrowsServicesAPIDown(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	pprUpstreams := func() int {
+		n := 0
+		for _, u := range e.poolState().Upstreams {
+			if u.Service == demoPPR {
+				n++
+			}
+		}
+		return n
+	}
+	if pprUpstreams() == 0 {
+		t.Fatalf("no upstream of service %d before the reload", demoPPR)
+	}
+	w.sim.FailNext(1<<30, 500, "down")
+	next := e.nextConfig()
+	next.API.Services = []int{demoFPR}
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	e.cfg = next
+	if n := pprUpstreams(); n != 0 {
+		t.Errorf("%d upstreams of service %d in the pool after a reload left it out of api.services", n, demoPPR)
+	}
+	for range 4 {
+		if via := e.mustGet("http", ""); !strings.HasPrefix(via, "fpr-") {
+			t.Errorf("request went via %s after service %d left api.services", via, demoPPR)
+		}
+	}
 }
 
 // TestDaemonReloadChangedListenerUnderLoad reloads a listener whose settings

@@ -281,6 +281,11 @@ func (d *daemon) applyConfig(next config) error {
 	// The new admin socket serves before the old one stops; its answers in
 	// flight may need d.mu, so it closes after the commit.
 	oldAdmin.close()
+	if plan.Services {
+		// A service no longer configured leaves the pool now, not when
+		// the API next answers (Reconfigure dropped it).
+		d.apply(agent.Snapshot{})
+	}
 	if plan.State {
 		// Saved there from now on: at once, changed pool or not.
 		d.stateMoved.Store(true)

@@ -20,8 +20,13 @@ const stateVersion = 1
 // savedState is what survives restarts and API outages: the upstream set and
 // the provider's last word on its health.
 type savedState struct {
-	Version   int                       `json:"version"`
-	Saved     time.Time                 `json:"saved"`
+	Version int       `json:"version"`
+	Saved   time.Time `json:"saved"`
+	// Fetched is the last successful refresh of the lists the upstreams
+	// come from (zero if none yet): proxyd_state_age_seconds counts from
+	// it. It moves once per lists round, so the file is rewritten that
+	// often even when nothing else changed.
+	Fetched   time.Time                 `json:"fetched,omitzero"`
 	Upstreams []savedUpstream           `json:"upstreams"`
 	Status    map[int]savedStatus       `json:"status,omitempty"`
 	Usage     map[int]pool.ServiceUsage `json:"usage,omitempty"` // ppr services' rate and limit: the quota state follows from them
