@@ -194,7 +194,8 @@ func (c Config) ResolveCredential(getenv func(string) string) (Config, string, e
 	}
 	if t := strings.TrimSpace(getenv(TokenEnv)); t != "" {
 		if !headerSafe(t) {
-			return c, "", fmt.Errorf("%s: holds whitespace or control characters", TokenEnv)
+			// Not "KEY: …": the variable is no key of the file.
+			return c, "", fmt.Errorf("the environment's %s holds whitespace or control characters", TokenEnv)
 		}
 		return tokenOnly(t), SourceEnv, nil
 	}
@@ -213,7 +214,7 @@ func (c Config) ResolveCredential(getenv func(string) string) (Config, string, e
 		if _, err := os.Stat(path); err == nil {
 			t, err := ReadTokenFile(path)
 			if err != nil {
-				return c, "", fmt.Errorf("token: systemd credential: %w", err)
+				return c, "", fmt.Errorf("systemd credential \"token\" (%s): %w", path, err)
 			}
 			return tokenOnly(t), SourceCredentialsDir, nil
 		}

@@ -485,4 +485,22 @@ func TestCheckCommand(t *testing.T) {
 			t.Errorf("%s unusable: exit %d\n%s", tt.name, code, out)
 		}
 	}
+	// A credential from the environment or systemd is named as such, not
+	// as a key of [api] the file does not have.
+	credDir := t.TempDir()
+	os.WriteFile(filepath.Join(credDir, "token"), []byte("one\ntwo\n"), 0o600)
+	os.WriteFile(path, []byte("[admin]\naddress = \"127.0.0.1:9900\"\n"), 0o600)
+	for _, tt := range []struct {
+		env  map[string]string
+		want string
+	}{
+		{map[string]string{"PROXYD_API_TOKEN": "a b"}, "c.toml: api: the environment's PROXYD_API_TOKEN holds whitespace"},
+		{map[string]string{"CREDENTIALS_DIRECTORY": credDir}, "c.toml: api: systemd credential \"token\" (" + filepath.Join(credDir, "token") + "): reading"},
+	} {
+		var out, errb strings.Builder
+		code := runMain(context.Background(), []string{"check", "-config", path}, stdio{out: &out, err: &errb, getenv: func(k string) string { return tt.env[k] }})
+		if code != 1 || !strings.Contains(errb.String(), tt.want) {
+			t.Errorf("env %v: exit %d\n%s%s", tt.env, code, out.String(), errb.String())
+		}
+	}
 }
