@@ -309,6 +309,10 @@ type Client struct {
 	log     *slog.Logger
 }
 
+// BaseURL is the provider's base URL the client asks, without a trailing
+// slash.
+func (c *Client) BaseURL() string { return c.base }
+
 // New returns a Client for cfg, or cfg's validation error.
 func New(cfg Config) (*Client, error) {
 	if err := errors.Join(cfg.Validate(), cfg.credentialProblem()); err != nil {

@@ -158,6 +158,7 @@ type Snapshot struct {
 	Time         time.Time
 	AccountKnown bool           // the service list was fetched at least once
 	ListsUpdated time.Time      // end of the last lists round in which every fetch succeeded
+	ListsFrom    string         // the base URL (Client.BaseURL) that round asked
 	Services     []ServiceState // served services, by ID
 	Dropped      []int          // services known but not served (Suspended, Terminated, Cancelled, …)
 	Wanted       []int          // the services meant to be served: configured, or the account's Active ones
@@ -1004,7 +1005,7 @@ func (p *Poller) pollLists(ctx context.Context, r roundStart, units []unit) erro
 	}
 	p.mu.Lock()
 	if firstErr == nil && fetched > 0 && p.gen == gen {
-		p.snap.ListsUpdated = p.now()
+		p.snap.ListsUpdated, p.snap.ListsFrom = p.now(), p.client.BaseURL()
 	}
 	p.mu.Unlock()
 	p.changed()

@@ -44,6 +44,7 @@ type daemon struct {
 	status     map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
 	lastSaved  string              // stateKey of the state file's content (guarded by applyMu)
 	fetched    time.Time           // the last successful lists refresh of the pool served, saved with it (guarded by applyMu)
+	fetchedAt  string              // the base URL of that refresh (guarded by applyMu)
 	stateMoved atomic.Bool         // a reload changed [state] dir: the next save writes there even if nothing changed
 	draining   atomic.Bool         // SIGTERM: the accept loops are closing on purpose
 	mu         sync.Mutex
@@ -533,7 +534,7 @@ func (d *daemon) apply(agent.Snapshot) {
 	// it fresh even when nothing changed. The file keeps it, so that a
 	// restart during an outage tells the same age.
 	if !s.ListsUpdated.IsZero() {
-		d.fetched = s.ListsUpdated
+		d.fetched, d.fetchedAt = s.ListsUpdated, s.ListsFrom
 	}
 	d.saveState()
 	if !d.fetched.IsZero() {
@@ -564,7 +565,7 @@ func (d *daemon) logPoolChange(prev, next []pool.Upstream) {
 // when they changed; d.applyMu is held.
 func (d *daemon) saveState() {
 	ups := d.pool.Upstreams()
-	st := &savedState{Version: stateVersion, Fetched: d.fetched, Status: d.status, Usage: d.pool.Usage()}
+	st := &savedState{Version: stateVersion, BaseURL: d.fetchedAt, Fetched: d.fetched, Status: d.status, Usage: d.pool.Usage()}
 	for _, u := range ups {
 		st.Upstreams = append(st.Upstreams, savedUpstream{
 			Service: u.Service, Kind: string(u.Kind), Protocol: string(u.Protocol), Address: u.Address,
@@ -614,11 +615,21 @@ func (d *daemon) loadState() {
 		d.log.Info("no saved pool state; waiting for the provider API", "dir", d.stateDir())
 		return
 	}
+	d.mu.Lock()
+	cfg, baseURL := d.cfg, d.client.BaseURL()
+	d.mu.Unlock()
+	if st.BaseURL != "" && st.BaseURL != baseURL {
+		// Another provider's upstreams, with its credentials: the new
+		// provider's lists replace them, so they must not stand in for
+		// them meanwhile (a reload that changes the provider swaps the
+		// pool for the same reason).
+		d.log.Warn("ignoring saved pool state of another provider; waiting for the provider API",
+			"saved_base_url", st.BaseURL, "base_url", baseURL)
+		return
+	}
 	// Only the services the config serves: one left out of [api]
 	// services since the file was saved is not served from it.
-	d.mu.Lock()
-	pc := pollConfig(d.cfg)
-	d.mu.Unlock()
+	pc := pollConfig(cfg)
 	ups := make([]pool.Upstream, 0, len(st.Upstreams))
 	for _, u := range st.Upstreams {
 		if pc.Serves(u.Service) {
@@ -641,6 +652,7 @@ func (d *daemon) loadState() {
 	d.lastSaved = stateKey(st)
 	d.poller.Seed(seedSizes(st))
 	d.fetched = cmp.Or(st.Fetched, st.Saved) // a file from before "fetched" was kept
+	d.fetchedAt = st.BaseURL
 	d.metrics.SetStateTime(d.fetched)
 	d.metrics.PoolUpdated(st.Saved)
 	d.log.Info("serving the saved pool until the provider API answers", "upstreams", len(ups), "saved", st.Saved.Format(time.RFC3339))

@@ -1119,6 +1119,9 @@ func TestDaemonRestartFromStateFollowsConfig(t *testing.T) {
 	if saved.Usage[demoPPR].Limit != 1024 || !slices.ContainsFunc(saved.Upstreams, func(u savedUpstream) bool { return u.Service == demoPPR }) {
 		t.Fatalf("saved state without service %d's upstreams or usage: %+v", demoPPR, saved)
 	}
+	if saved.BaseURL != w.simURL {
+		t.Fatalf("the state file says its lists came from %q, want %q", saved.BaseURL, w.simURL)
+	}
 
 	w.sim.FailNext(1<<30, 500, "down")
 	e2 := startDaemon(t, w, state, nil)
@@ -1141,6 +1144,16 @@ func TestDaemonRestartFromStateFollowsConfig(t *testing.T) {
 		if u.Service == demoPPR {
 			t.Errorf("%s restored, though service %d is no longer in api.services", u.ID, demoPPR)
 		}
+	}
+	e3.d.Close()
+
+	// Another provider's pool is not served while the new one is silent.
+	e4 := startDaemon(t, w, state, func(c *config) { c.API.BaseURL = "http://" + freeport.Addr(t) })
+	if n := len(e4.poolState().Upstreams); n != 0 {
+		t.Errorf("%d upstreams of the old provider restored after the base URL changed", n)
+	}
+	if !strings.Contains(e4.logs.String(), "ignoring saved pool state of another provider") {
+		t.Error("the ignored state is not logged")
 	}
 }
 
