@@ -455,8 +455,9 @@ func (p *Poller) startRound(l Loop) roundStart {
 }
 
 // units returns the units loop l polls: the account, every served
-// service (LoopStatus: each of its two lists), or (LoopUsage) the ppr
-// ones. Called with p.mu held.
+// service (LoopStatus: each of its two lists, for a service some listener
+// draws, as nothing else uses them), or (LoopUsage) the ppr ones. Called
+// with p.mu held.
 func (p *Poller) units(l Loop) []unit {
 	if l == LoopAccount {
 		return []unit{{}}
@@ -465,7 +466,9 @@ func (p *Poller) units(l Loop) []unit {
 	for _, id := range slices.Sorted(maps.Keys(p.services)) {
 		switch {
 		case l == LoopStatus:
-			us = append(us, unit{id, statusErrors}, unit{id, statusInactive})
+			if len(listTypes(p.cfg, id, p.services[id].Record.ProductType)) > 0 {
+				us = append(us, unit{id, statusErrors}, unit{id, statusInactive})
+			}
 		case l == LoopUsage && p.services[id].Record.ProductType != "ppr":
 		default:
 			us = append(us, unit{service: id})
@@ -1103,14 +1106,22 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	// A type no listener draws any more (a reload changed the listeners)
 	// goes: its upstreams would serve no one, and its IPs would count in
 	// the list-update share. Sessions likewise: unserved, an errored exit
-	// IP would still have them rotated.
-	for typ := range st.Lists {
+	// IP would still have them rotated. Their last good size goes too:
+	// nothing is kept that a smaller answer could be held back for, so
+	// drawn again, the first answer is taken as any first one.
+	forget := func(key string) {
+		delete(p.lastGood, key)
+		delete(p.pending, key)
+	}
+	for typ := range listProtocol { // every type, also one seeded from the state file alone
 		if !slices.Contains(wanted, typ) {
 			delete(st.Lists, typ)
+			forget(fmt.Sprintf("%d/%s", id, typ))
 		}
 	}
 	if !wantSticky {
 		st.Sticky = nil
+		forget(fmt.Sprintf("%d/sticky", id))
 	}
 	if stickyOK && wantSticky {
 		if take(fmt.Sprintf("%d/sticky", id), "sticky session list", len(sticky)) {

@@ -66,13 +66,13 @@ func interceptClient(t *testing.T, sim *providersim.Sim, timeout time.Duration, 
 	return c
 }
 
-// pollConfig is DefaultPollConfig changed by set.
 // drawn is PollConfig.Draws for listeners that dial these protocols and
 // draw every service of either kind.
 func drawn(protocols ...string) func(int, string, string) bool {
 	return func(_ int, _, protocol string) bool { return slices.Contains(protocols, protocol) }
 }
 
+// pollConfig is DefaultPollConfig changed by set.
 func pollConfig(set func(c *PollConfig)) PollConfig {
 	c := DefaultPollConfig()
 	set(&c)
@@ -808,9 +808,6 @@ func TestPollerRunStatusBackoffPerService(t *testing.T) {
 	})
 }
 
-// The usage loop likewise: service 104's failing rate backs off alone and
-// service 102's rate is read every usage interval. Kick polls every
-// service at once, the one backing off included.
 // An empty rate answer leaves the service without figures: the last ones
 // are not kept (a quota they reached would never lift), and the state says
 // it was read, unlike a service not read yet.
@@ -838,6 +835,9 @@ func TestPollerEmptyRateClearsUsage(t *testing.T) {
 	}
 }
 
+// The usage loop likewise: service 104's failing rate backs off alone and
+// service 102's rate is read every usage interval. Kick polls every
+// service at once, the one backing off included.
 func TestPollerUsageBackoffPerService(t *testing.T) {
 	sim, c, requests := failingService(t, 104, "/api/rate/")
 	clock := newFakeClock()
@@ -1424,7 +1424,14 @@ func TestPollerRateLimitAfterAnotherFailure(t *testing.T) {
 // listener draws loses its sticky sessions too.
 func TestPollerDropsListsNoLongerDrawn(t *testing.T) {
 	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
-	p, _, _ := newPollerForTest(t, cfg)
+	p, sim, _ := newPollerForTest(t, cfg)
+	sessions := sim.Sessions(102)
+	for i := range 2 { // four sessions, so that one is "far smaller"
+		ss := sessions[i]
+		ss.Session += "b"
+		sessions = append(sessions, ss)
+	}
+	sim.SetStickySessions(102, sessions)
 	pollAll(t, p)
 	st := serviceByID(p.Snapshot(), 101)
 	if st == nil || len(st.Lists["http-auth"]) == 0 || len(st.Lists["socks-ip"]) == 0 {
@@ -1452,6 +1459,25 @@ func TestPollerDropsListsNoLongerDrawn(t *testing.T) {
 	st = serviceByID(p.Snapshot(), 102)
 	if len(st.Lists) != 0 || len(st.Sticky) != 0 || len(st.Upstreams()) != 0 || len(st.UnservedSessions()) != 0 {
 		t.Errorf("ppr service no listener draws kept lists %v, sessions %v", slices.Collect(maps.Keys(st.Lists)), st.Sticky)
+	}
+
+	// Drawn again after the provider's lists shrank meanwhile: nothing
+	// was kept, so the smaller answers are taken at once, not held back
+	// as a shrink of what was dropped.
+	sim.SetEntries(101, "socks-ip", []providersim.Entry{{Host: "10.0.0.1", Port: 1080}})
+	sim.SetStickySessions(102, sessions[:1])
+	cfg.Draws = nil
+	if err := p.Reconfigure(p.client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PollOnce(context.Background(), LoopLists); err != nil {
+		t.Fatal(err)
+	}
+	if st := serviceByID(p.Snapshot(), 101); len(st.Lists["socks-ip"]) != 1 {
+		t.Errorf("socks-ip drawn again: %d entries, want the provider's 1", len(st.Lists["socks-ip"]))
+	}
+	if st := serviceByID(p.Snapshot(), 102); len(st.Sticky) != 1 {
+		t.Errorf("sessions drawn again: %d, want the provider's 1", len(st.Sticky))
 	}
 }
 
@@ -1485,6 +1511,11 @@ func TestPollerFetchesOnlyDrawnLists(t *testing.T) {
 			}
 			if n := sim.Requests("/api/iplist/{typel}/{formatl}/{id}"); n != lists {
 				t.Errorf("%d list requests, want %d", n, lists)
+			}
+			// The network status of a service with no list drawn is of no
+			// use either: one service's, in each case.
+			if n := sim.Requests("/api/networkstatus/errors/{id}"); n != 1 {
+				t.Errorf("%d network-status requests, want 1", n)
 			}
 			wantSticky := 0
 			if tt.draws(102, "ppr", "socks5") {

@@ -627,12 +627,14 @@ func (d *daemon) loadState() {
 			"saved_base_url", st.BaseURL, "base_url", baseURL)
 		return
 	}
-	// Only the services the config serves: one left out of [api]
-	// services since the file was saved is not served from it.
-	pc := pollConfig(cfg)
+	// Only what the config serves and its listeners draw: a service left
+	// out of [api] services, or a kind or protocol no listener takes,
+	// since the file was saved is not served from it (nor its sessions
+	// rotated).
+	pc, drawn := pollConfig(cfg), draws(listenerSlices(cfg.Listener))
 	ups := make([]pool.Upstream, 0, len(st.Upstreams))
 	for _, u := range st.Upstreams {
-		if pc.Serves(u.Service) {
+		if pc.Serves(u.Service) && drawn(u.Service, u.Kind, u.Protocol) {
 			ups = append(ups, poolUpstream(agent.UpstreamSpec(u)))
 		}
 	}

@@ -1138,14 +1138,34 @@ func TestDaemonRestartFromStateFollowsConfig(t *testing.T) {
 	}
 	e2.d.Close()
 
-	e3 := startDaemon(t, w, state, func(c *config) { c.API.Services = []int{demoFPR} })
-	e3.waitReady()
-	for _, u := range e3.poolState().Upstreams {
-		if u.Service == demoPPR {
-			t.Errorf("%s restored, though service %d is no longer in api.services", u.ID, demoPPR)
-		}
+	file, err := os.ReadFile(filepath.Join(state, stateFileName))
+	if err != nil {
+		t.Fatal(err)
 	}
-	e3.d.Close()
+	for _, narrow := range []struct {
+		why    string
+		mutate func(*config)
+	}{
+		{"no longer in api.services", func(c *config) { c.API.Services = []int{demoFPR} }},
+		{"drawn by no listener", func(c *config) {
+			for i := range c.Listener {
+				c.Listener[i].Kind = "fpr"
+			}
+		}},
+	} {
+		// Each from the same file (a daemon saves what it serves).
+		if err := os.WriteFile(filepath.Join(state, stateFileName), file, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		e3 := startDaemon(t, w, state, narrow.mutate)
+		e3.waitReady()
+		for _, u := range e3.poolState().Upstreams {
+			if u.Service == demoPPR {
+				t.Errorf("%s restored, though service %d is %s", u.ID, demoPPR, narrow.why)
+			}
+		}
+		e3.d.Close()
+	}
 
 	// Another provider's pool is not served while the new one is silent.
 	e4 := startDaemon(t, w, state, func(c *config) { c.API.BaseURL = "http://" + freeport.Addr(t) })
