@@ -933,3 +933,81 @@ func TestReloadRenameAndReuseName(t *testing.T) {
 	wantOverCap(t, moved.Address, echo, "http, whose old incarnation holds one")
 	roundTrip(t, held, "still open")
 }
+
+// accountGate fronts two simulated providers at one base URL, as one
+// provider with two accounts: the token says which.
+func accountGate(t *testing.T, accounts map[string]string) string {
+	t.Helper()
+	proxies := map[string]*httputil.ReverseProxy{}
+	for token, simURL := range accounts {
+		target, _ := url.Parse(simURL)
+		proxies["Basic "+token] = httputil.NewSingleHostReverseProxy(target)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rp := proxies[r.Header.Get("Authorization")]
+		if rp == nil {
+			w.WriteHeader(401)
+			io.WriteString(w, `{"error":"Unauthenticated."}`)
+			return
+		}
+		r.Header.Set("Authorization", "Basic "+providersim.DefaultToken)
+		rp.ServeHTTP(w, r)
+	})}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return "http://" + ln.Addr().String()
+}
+
+// A reload after token_file was rewritten with another account's token is
+// a provider change, as a new token key is: the other account's far
+// smaller list replaces the pool at once instead of waiting an interval
+// for confirmation, while the same token moved between keys is none.
+func TestReloadTokenFileOfAnotherAccount(t *testing.T) {
+	a, b := newWorld(t), newWorld(t)
+	// Account b has one static HTTP upstream where a has three.
+	b.sim.SetEntries(demoFPR, "http-auth", []providersim.Entry{b.fprHTTP[0].Entry(fmt.Sprintf("u%d", demoFPR), fmt.Sprintf("pw-%d-sim", demoFPR))})
+	gate := accountGate(t, map[string]string{"token-a": a.simURL, "token-b": b.simURL})
+	tokenFile := filepath.Join(t.TempDir(), "token")
+	os.WriteFile(tokenFile, []byte("token-a\n"), 0o600)
+	e := startDaemonEnv(t, a, t.TempDir(), nil, func(c *config) {
+		c.API.BaseURL, c.API.TokenFile, c.API.Token = gate, tokenFile, ""
+	})
+	e.waitReady()
+	httpOf := func(w *demoWorld) int {
+		n := 0
+		for _, u := range e.poolState().Upstreams {
+			for _, p := range w.fprHTTP {
+				if u.Address == p.Addr() && u.State != pool.Draining {
+					n++
+				}
+			}
+		}
+		return n
+	}
+	if n := httpOf(a); n != 3 {
+		t.Fatalf("%d of account a's static HTTP upstreams in the pool, want 3", n)
+	}
+
+	// The same token inline, then from the file again: no provider change.
+	inline := e.nextConfig()
+	inline.API.Token, inline.API.TokenFile = "token-a", ""
+	for _, c := range []config{inline, e.cfg} {
+		if err := e.d.Reload(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if reloads := grepLines(e.logs.String(), "config reloaded"); strings.Count(reloads, "config reloaded") != 2 || strings.Contains(reloads, "provider") {
+		t.Errorf("moving the same token between keys was taken as a provider change:\n%s", reloads)
+	}
+
+	// The file's content alone changes: the keys are the same.
+	os.WriteFile(tokenFile, []byte("token-b\n"), 0o600)
+	if err := e.d.Reload(e.cfg); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "account b's list in the pool", 5*time.Second, func() bool { return httpOf(b) == 1 && httpOf(a) == 0 })
+}
