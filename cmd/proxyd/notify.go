@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -12,7 +13,8 @@ import (
 // $NOTIFY_SOCKET. Without the variable every call is a no-op, so the daemon
 // runs the same outside systemd.
 type notifier struct {
-	addr *net.UnixAddr
+	addr    *net.UnixAddr
+	stopped atomic.Bool // STOPPING=1 was sent: no READY=1 after it
 }
 
 func newNotifier(getenv func(string) string) *notifier {
@@ -44,7 +46,15 @@ func (n *notifier) send(state ...string) error {
 	return nil
 }
 
-func (n *notifier) ready() error { return n.send("READY=1") }
+// ready is READY=1, unless the service is already stopping: a reload that
+// SIGTERM overtook ends its RELOADING=1 this way, and READY=1 after
+// STOPPING=1 would tell systemd the service runs again.
+func (n *notifier) ready() error {
+	if n.stopped.Load() {
+		return nil
+	}
+	return n.send("READY=1")
+}
 
 // reloading must carry MONOTONIC_USEC (CLOCK_MONOTONIC) for systemd to
 // accept it.
@@ -64,6 +74,7 @@ func (n *notifier) reloading() error {
 // than the unit's TimeoutStopSec run to its end instead of being killed
 // (systemd only ever lengthens the stop with it, never shortens it).
 func (n *notifier) stopping(within time.Duration) error {
+	n.stopped.Store(true)
 	return n.send("STOPPING=1", fmt.Sprintf("EXTEND_TIMEOUT_USEC=%d", within.Microseconds()))
 }
 

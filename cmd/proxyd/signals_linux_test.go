@@ -278,3 +278,27 @@ func clockMonotonicUsec(t *testing.T) int64 {
 	}
 	return int64(ts.Sec)*1_000_000 + int64(ts.Nsec)/1_000
 }
+
+// Once STOPPING=1 is sent, READY=1 is not: a reload that SIGTERM overtook
+// ends without telling systemd the service runs again.
+func TestNotifierNoReadyAfterStopping(t *testing.T) {
+	sock, path := newNotifySocket(t)
+	n := newNotifier(func(k string) string { return map[string]string{"NOTIFY_SOCKET": path}[k] })
+	if err := n.reloading(); err != nil {
+		t.Fatal(err)
+	}
+	sock.expect(t, "RELOADING=1")
+	if err := n.stopping(time.Second); err != nil {
+		t.Fatal(err)
+	}
+	sock.expect(t, "STOPPING=1")
+	if err := n.ready(); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.send("STATUS=after"); err != nil { // a datagram known to follow
+		t.Fatal(err)
+	}
+	if m := sock.expect(t, ""); m != "STATUS=after" {
+		t.Errorf("after STOPPING=1: %q", m)
+	}
+}
