@@ -9,6 +9,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -285,8 +286,7 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 	// takes its upstreams out at the next snapshot, as for a suspended one.
 	for id := range p.services {
 		if !cfg.Serves(id) {
-			delete(p.services, id)
-			delete(p.manage, id)
+			p.forgetService(id)
 			if !slices.Contains(p.snap.Dropped, id) {
 				p.snap.Dropped = append(p.snap.Dropped, id)
 			}
@@ -311,6 +311,26 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 		p.Kick(l)
 	}
 	return nil
+}
+
+// forgetService drops a service that is no longer served: its state, its
+// list-update state, and the last good sizes of its lists (its upstreams
+// leave the pool, so nothing is kept that a smaller first answer could be
+// held back for if it is served again). Called with p.mu held.
+func (p *Poller) forgetService(id int) {
+	delete(p.services, id)
+	delete(p.manage, id)
+	prefix := fmt.Sprintf("%d/", id)
+	for key := range p.lastGood {
+		if strings.HasPrefix(key, prefix) {
+			delete(p.lastGood, key)
+		}
+	}
+	for key := range p.pending {
+		if strings.HasPrefix(key, prefix) {
+			delete(p.pending, key)
+		}
+	}
 }
 
 // current returns the client, config and generation a round works with.
@@ -932,8 +952,7 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 			continue
 		}
 		if slices.Contains(dropped, id) || !slices.Contains(want, id) {
-			delete(p.services, id)
-			delete(p.manage, id)
+			p.forgetService(id)
 			if !slices.Contains(dropped, id) {
 				dropped = append(dropped, id)
 			}
@@ -1017,7 +1036,8 @@ func (p *Poller) pollLists(ctx context.Context, r roundStart, units []unit) erro
 
 // pollServiceLists fetches the IP lists (and sticky sessions) of one
 // service in a round begun at at and swaps in what is accepted; ok
-// reports that every fetch succeeded, soon that a list was empty on its
+// reports that it fetched something and every fetch succeeded (a service
+// no listener draws asks for nothing: it refreshes no data), soon that a list was empty on its
 // first answer, with nothing older, and is best confirmed soon
 // (confirmWait). owner is the loop doing the work (the lists loop, or the
 // status loop polling a list it had renewed): each answer beats its
@@ -1135,7 +1155,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	if ok && stickyOK && !withheld && (!firstEmpty || entries) {
 		st.ListsKnown = true
 	}
-	return ok && stickyOK, firstEmpty, unitErr
+	return ok && stickyOK && len(wanted) > 0, firstEmpty, unitErr
 }
 
 // listFormats is the order in which list formats are tried.

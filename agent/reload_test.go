@@ -191,3 +191,56 @@ func TestPollerReconfigureNarrowsServices(t *testing.T) {
 		}
 	}
 }
+
+// A service a reload left out and a later one names again starts fresh:
+// its lists' last good sizes went with it, so a list that shrank meanwhile
+// is taken at once, not held back as a shrink of what was dropped.
+func TestPollerServiceServedAgainStartsFresh(t *testing.T) {
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
+	p, sim, _ := newPollerForTest(t, cfg)
+	pollAll(t, p)
+	if st := serviceByID(p.Snapshot(), 101); st == nil || len(st.Lists["socks-ip"]) != 3 {
+		t.Fatalf("service 101 before: %+v", st)
+	}
+	cfg.Services = []int{102}
+	if err := p.Reconfigure(p.client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	sim.SetEntries(101, "socks-ip", []providersim.Entry{{Host: "10.0.0.1", Port: 1080}})
+	cfg.Services = []int{101, 102}
+	if err := p.Reconfigure(p.client, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	pollAll(t, p)
+	if st := serviceByID(p.Snapshot(), 101); st == nil || len(st.Lists["socks-ip"]) != 1 || !st.ListsKnown {
+		t.Errorf("service 101 served again: %+v, want the provider's one socks-ip entry, known", st)
+	}
+}
+
+// A lists round that asks for nothing (its only service is drawn by no
+// listener) refreshes nothing: with the API down, the time of the last
+// refresh stays where it was.
+func TestPollerListsUpdatedOnlyByFetches(t *testing.T) {
+	cfg := pollConfig(func(c *PollConfig) {
+		c.Services = []int{101, 102}
+		c.Draws = func(_ int, kind, _ string) bool { return kind == "fpr" }
+	})
+	p, sim, _ := newPollerForTest(t, cfg)
+	pollAll(t, p)
+	before := p.Snapshot().ListsUpdated
+	if before.IsZero() {
+		t.Fatal("no lists round succeeded")
+	}
+	sim.FailNext(1<<30, 500, "down")
+	requests := sim.Requests("/api/iplist/{typel}/{formatl}/{id}")
+	// A round in which only 102 is due (101 backs off on its own clock).
+	if err := p.pollLists(context.Background(), p.startRound(LoopLists), []unit{{service: 102}}); err != nil {
+		t.Fatal(err)
+	}
+	if n := sim.Requests("/api/iplist/{typel}/{formatl}/{id}") - requests; n != 0 {
+		t.Fatalf("%d list requests for a service no listener draws", n)
+	}
+	if after := p.Snapshot().ListsUpdated; !after.Equal(before) {
+		t.Errorf("the last refresh moved from %v to %v with nothing fetched", before, after)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"slices"
@@ -458,12 +459,17 @@ func (d *daemon) apply(agent.Snapshot) {
 	}
 	// Upstreams of a service whose lists are not known yet stay (a failed
 	// first poll must not empty the pool); those of a service that is no
-	// longer meant to be served leave.
+	// longer meant to be served leave: one the account no longer has
+	// active, or one [api] services no longer names (restored from the
+	// state file before a reload narrowed it, the API silent).
+	d.mu.Lock()
+	pc := pollConfig(d.cfg)
+	d.mu.Unlock()
 	for _, u := range prev {
 		if known[u.Service] || dropped[u.Service] {
 			continue
 		}
-		if s.AccountKnown && !wanted[u.Service] {
+		if s.AccountKnown && !wanted[u.Service] || !pc.Serves(u.Service) {
 			dropped[u.Service] = true
 			continue
 		}
@@ -479,6 +485,7 @@ func (d *daemon) apply(agent.Snapshot) {
 	for id := range dropped {
 		delete(d.status, id)
 		d.pool.SetUsage(id, 0, 0)
+		d.metrics.ForgetUsage(id) // restored ones are in no metrics service set
 	}
 	account := metrics.Account{
 		Credit: s.Credit, CreditKnown: s.CreditKnown,
@@ -630,26 +637,25 @@ func (d *daemon) loadState() {
 	// Only what the config serves and its listeners draw: a service left
 	// out of [api] services, or a kind or protocol no listener takes,
 	// since the file was saved is not served from it (nor its sessions
-	// rotated).
+	// rotated, nor its sizes kept for the shrink confirmation).
 	pc, drawn := pollConfig(cfg), draws(listenerSlices(cfg.Listener))
+	st.Upstreams = slices.DeleteFunc(st.Upstreams, func(u savedUpstream) bool {
+		return !pc.Serves(u.Service) || !drawn(u.Service, u.Kind, u.Protocol)
+	})
+	maps.DeleteFunc(st.Status, func(id int, _ savedStatus) bool { return !pc.Serves(id) })
+	maps.DeleteFunc(st.Usage, func(id int, _ pool.ServiceUsage) bool { return !pc.Serves(id) })
 	ups := make([]pool.Upstream, 0, len(st.Upstreams))
 	for _, u := range st.Upstreams {
-		if pc.Serves(u.Service) && drawn(u.Service, u.Kind, u.Protocol) {
-			ups = append(ups, poolUpstream(agent.UpstreamSpec(u)))
-		}
+		ups = append(ups, poolUpstream(agent.UpstreamSpec(u)))
 	}
 	d.pool.Update(ups)
 	for id, s := range st.Status {
-		if pc.Serves(id) {
-			d.pool.SetProviderStatus(id, s.Errored, s.Inactive)
-			d.status[id] = s
-		}
+		d.pool.SetProviderStatus(id, s.Errored, s.Inactive)
+		d.status[id] = s
 	}
 	for id, u := range st.Usage {
-		if pc.Serves(id) {
-			d.pool.SetUsage(id, u.Rate, u.Limit)
-			d.metrics.SetUsage(id, u.Rate, u.Limit)
-		}
+		d.pool.SetUsage(id, u.Rate, u.Limit)
+		d.metrics.SetUsage(id, u.Rate, u.Limit)
 	}
 	d.lastSaved = stateKey(st)
 	d.poller.Seed(seedSizes(st))

@@ -1217,6 +1217,83 @@ func TestDaemonReloadNarrowsServicesAPIDown(t *testing.T) {
 	}
 }
 
+// A restart during an outage, then a reload that leaves a service out of
+// [api] services: the poller never knew the service (the pool came from
+// the state file), yet its restored upstreams leave at once, with its
+// restored usage gauges.
+func TestDaemonReloadNarrowsServicesAfterRestart(t *testing.T) {
+	w := newWorld(t)
+	state := t.TempDir()
+	w.sim.SetUsage(demoPPR, 700, 1024)
+	e := startDaemon(t, w, state, nil)
+	e.waitReady()
+	e.pollOnce(agent.LoopUsage)
+	e.d.Close()
+
+	w.sim.FailNext(1<<30, 500, "down")
+	e2 := startDaemon(t, w, state, nil)
+	e2.waitReady()
+	ppr := func() int {
+		n := 0
+		for _, u := range e2.poolState().Upstreams {
+			if u.Service == demoPPR {
+				n++
+			}
+		}
+		return n
+	}
+	if ppr() == 0 {
+		t.Fatalf("no upstream of service %d restored", demoPPR)
+	}
+	next := e2.nextConfig()
+	next.API.Services = []int{demoFPR}
+	if err := e2.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	e2.cfg = next
+	if n := ppr(); n != 0 {
+		t.Errorf("%d restored upstreams of service %d in the pool after a reload left it out of api.services", n, demoPPR)
+	}
+	for range 4 {
+		if via := e2.mustGet("http", ""); !strings.HasPrefix(via, "fpr-") {
+			t.Errorf("request went via %s", via)
+		}
+	}
+	if _, body := e2.admin("/metrics"); strings.Contains(body, `proxyd_usage_limit{service="102"}`) {
+		t.Errorf("the dropped service's restored usage gauges remain:\n%s", grepLines(body, "proxyd_usage"))
+	}
+}
+
+// A restored ppr service that the account now has suspended leaves the
+// pool at the first account round, and its restored usage gauges leave
+// with it (they were never in the metrics' set of services).
+func TestDaemonRestoredServiceSuspendedLeavesMetrics(t *testing.T) {
+	w := newWorld(t)
+	state := t.TempDir()
+	w.sim.SetUsage(demoPPR, 700, 1024)
+	every := func(c *config) { c.API.Services = nil } // every Active service
+	e := startDaemon(t, w, state, every)
+	e.waitReady()
+	e.pollOnce(agent.LoopUsage)
+	e.d.Close()
+	if st, _ := readState(state); st == nil || st.Usage[demoPPR].Limit != 1024 {
+		t.Fatalf("no usage saved: %+v", st)
+	}
+
+	w.sim.SetServiceStatus(demoPPR, "Suspended")
+	e2 := startDaemon(t, w, state, every)
+	e2.waitReady()
+	e2.pollOnce(agent.LoopAccount)
+	for _, u := range e2.poolState().Upstreams {
+		if u.Service == demoPPR && u.State != pool.Draining {
+			t.Errorf("suspended service still in the pool: %s", u.ID)
+		}
+	}
+	if _, body := e2.admin("/metrics"); strings.Contains(body, `proxyd_usage_limit{service="102"}`) {
+		t.Errorf("the usage gauges of a service no longer served remain:\n%s", grepLines(body, "proxyd_usage"))
+	}
+}
+
 // TestDaemonReloadChangedListenerUnderLoad reloads a listener whose settings
 // change on the same address while clients keep connecting: the socket is
 // handed over, so no connection is refused or reset. A failing reload that
