@@ -67,12 +67,6 @@ func newWorld(t *testing.T) *demoWorld {
 
 func startDaemon(t *testing.T, w *demoWorld, stateDir string, mutate func(*config)) *e2e {
 	t.Helper()
-	return startDaemonEnv(t, w, stateDir, map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}, mutate)
-}
-
-// startDaemonEnv is startDaemon with the given environment.
-func startDaemonEnv(t *testing.T, w *demoWorld, stateDir string, env map[string]string, mutate func(*config)) *e2e {
-	t.Helper()
 	cfg := demoConfig(w, "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0", stateDir)
 	quietPolls(&cfg)
 	if mutate != nil {
@@ -80,6 +74,7 @@ func startDaemonEnv(t *testing.T, w *demoWorld, stateDir string, env map[string]
 	}
 	logs := &syncbuf.Buffer{}
 	logger, logCtl := newLogger(cfg.Log, logs)
+	env := map[string]string{"PROXYD_API_TOKEN": providersim.DefaultToken}
 	d, err := newDaemon(cfg, daemonOptions{getenv: func(k string) string { return env[k] }, logger: logger, logs: logCtl})
 	if err != nil {
 		t.Fatal(err)

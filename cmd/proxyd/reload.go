@@ -32,7 +32,7 @@ import (
 // reloadPlan is what a reload changes.
 type reloadPlan struct {
 	API       bool // [api]: a new client (base URL, credential keys, timeout); token_file is re-read even when unchanged
-	Provider  bool // base URL or credential changed (planReload: by its keys; reload: by what they resolve to): the next lists replace the old ones without confirmation
+	Provider  bool // base URL or credential keys changed: the next lists replace the old ones without confirmation
 	Poll      bool // [poll] intervals, services, what listeners draw, [manage]: the poll loops reconfigure
 	Pool      bool // [pool]: applies to the next pick; health state and sticky keys stay
 	Listeners bool // [[listener]]: some start, move or retire (sockets of unchanged ones untouched)
@@ -231,14 +231,6 @@ func (d *daemon) applyConfig(next config) error {
 	if err != nil {
 		return err
 	}
-	if p.client != nil {
-		// The credential read decides, not the keys that name it: a
-		// token_file rewritten with another account's token is a provider
-		// change (its far smaller lists are not held back as a shrink); a
-		// token moved from token to token_file unchanged is not.
-		plan.Provider = p.client.provider
-		plan.API = plan.API || plan.Provider
-	}
 
 	d.mu.Lock()
 	if !d.running {
@@ -308,11 +300,10 @@ func (d *daemon) applyConfig(next config) error {
 
 // clientSwap is the API client a reload prepared.
 type clientSwap struct {
-	client   *agent.Client
-	api      agent.Config // its [api] with the credential resolved
-	source   string
-	changed  bool // another credential, base URL or timeout than the running client's
-	provider bool // another credential or base URL: what the credential resolves to, not how the file names it
+	client  *agent.Client
+	api     agent.Config // its [api] with the credential resolved
+	source  string
+	changed bool // another credential, base URL or timeout than the running client's
 }
 
 // prepareClient resolves the credential of next's [api] and builds its
@@ -331,9 +322,9 @@ func (d *daemon) prepareClient(old, next config) (*clientSwap, error) {
 	d.mu.Lock()
 	running := d.api
 	d.mu.Unlock()
-	provider := api.BaseURL != running.BaseURL || api.Token != running.Token || api.Login != running.Login ||
-		api.Password != running.Password
-	return &clientSwap{client: c, api: api, source: src, changed: provider || api.Timeout != running.Timeout, provider: provider}, nil
+	same := api.BaseURL == running.BaseURL && api.Token == running.Token && api.Login == running.Login &&
+		api.Password == running.Password && api.Timeout == running.Timeout
+	return &clientSwap{client: c, api: api, source: src, changed: !same}, nil
 }
 
 // credentialKeys are the [api] keys that name the credential.
