@@ -9,6 +9,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -292,6 +293,7 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 			}
 		}
 	}
+	p.forgetSizes(func(id int) bool { return !cfg.Serves(id) })
 	p.snap.Wanted = slices.DeleteFunc(p.snap.Wanted, func(id int) bool { return !cfg.Serves(id) })
 	p.pruneClocks()
 	if providerChanged {
@@ -320,17 +322,21 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 func (p *Poller) forgetService(id int) {
 	delete(p.services, id)
 	delete(p.manage, id)
-	prefix := fmt.Sprintf("%d/", id)
-	for key := range p.lastGood {
-		if strings.HasPrefix(key, prefix) {
-			delete(p.lastGood, key)
-		}
+	p.forgetSizes(func(s int) bool { return s == id })
+}
+
+// forgetSizes drops the last good and pending list sizes of the services
+// gone says are not served: also those only Seed knew (restored from the
+// daemon's state file, never polled). Keys are "<service>/<list>"; the
+// account's service-list key is kept. Called with p.mu held.
+func (p *Poller) forgetSizes(gone func(service int) bool) {
+	of := func(key string) bool {
+		id, _, ok := strings.Cut(key, "/")
+		n, err := strconv.Atoi(id)
+		return ok && err == nil && gone(n)
 	}
-	for key := range p.pending {
-		if strings.HasPrefix(key, prefix) {
-			delete(p.pending, key)
-		}
-	}
+	maps.DeleteFunc(p.lastGood, func(key string, _ int) bool { return of(key) })
+	maps.DeleteFunc(p.pending, func(key string, _ pendingList) bool { return of(key) })
 }
 
 // current returns the client, config and generation a round works with.
@@ -957,6 +963,11 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 				dropped = append(dropped, id)
 			}
 		}
+	}
+	if listOK {
+		// Sizes seeded for services this round does not serve go too
+		// (a trusted list: one withheld as shrunk keeps them).
+		p.forgetSizes(func(id int) bool { return slices.Contains(dropped, id) || !slices.Contains(want, id) })
 	}
 	p.snap.Dropped = dropped
 	p.pruneClocks()

@@ -244,3 +244,50 @@ func TestPollerListsUpdatedOnlyByFetches(t *testing.T) {
 		t.Errorf("the last refresh moved from %v to %v with nothing fetched", before, after)
 	}
 }
+
+// Sizes seeded from the daemon's state file for a service the poller never
+// polled go when the service is not served (a reload leaves it out, or the
+// account drops it): served again after its list shrank, its first answer
+// is taken, not held back an interval with nothing in its place.
+func TestPollerSeededSizesOfUnservedServiceForgotten(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		leave func(t *testing.T, p *Poller, sim *providersim.Sim, cfg PollConfig)
+		back  func(t *testing.T, p *Poller, sim *providersim.Sim, cfg PollConfig)
+	}{
+		{"reload", func(t *testing.T, p *Poller, _ *providersim.Sim, cfg PollConfig) {
+			cfg.Services = []int{102}
+			if err := p.Reconfigure(p.client, cfg, false); err != nil {
+				t.Fatal(err)
+			}
+		}, func(t *testing.T, p *Poller, _ *providersim.Sim, cfg PollConfig) {
+			if err := p.Reconfigure(p.client, cfg, false); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"suspension", func(t *testing.T, p *Poller, sim *providersim.Sim, _ PollConfig) {
+			sim.SetServiceStatus(101, "Suspended")
+			if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
+				t.Fatal(err)
+			}
+		}, func(t *testing.T, _ *Poller, sim *providersim.Sim, _ PollConfig) {
+			sim.SetServiceStatus(101, "Active")
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
+			p, sim, _ := newPollerForTest(t, cfg)
+			p.Seed(map[string]int{"101/http-auth": 3, "101/socks-ip": 3}) // as restored at a restart
+			tt.leave(t, p, sim, cfg)
+			if serviceByID(p.Snapshot(), 101) != nil {
+				t.Fatal("service 101 still served")
+			}
+			sim.SetEntries(101, "socks-ip", []providersim.Entry{{Host: "10.0.0.1", Port: 1080}})
+			tt.back(t, p, sim, cfg)
+			pollAll(t, p)
+			if st := serviceByID(p.Snapshot(), 101); st == nil || len(st.Lists["socks-ip"]) != 1 || !st.ListsKnown {
+				t.Errorf("service 101 served again: %+v, want the provider's one socks-ip entry, known", st)
+			}
+		})
+	}
+}
