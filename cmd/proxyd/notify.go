@@ -5,7 +5,7 @@ import (
 	"net"
 	"os"
 	"strings"
-	"sync/atomic"
+	"sync"
 	"time"
 )
 
@@ -14,7 +14,8 @@ import (
 // runs the same outside systemd.
 type notifier struct {
 	addr    *net.UnixAddr
-	stopped atomic.Bool // STOPPING=1 was sent: no READY=1 after it
+	mu      sync.Mutex // orders READY=1 and STOPPING=1
+	stopped bool       // STOPPING=1 was sent: no READY=1 after it (guarded by mu)
 }
 
 func newNotifier(getenv func(string) string) *notifier {
@@ -50,7 +51,9 @@ func (n *notifier) send(state ...string) error {
 // SIGTERM overtook ends its RELOADING=1 this way, and READY=1 after
 // STOPPING=1 would tell systemd the service runs again.
 func (n *notifier) ready() error {
-	if n.stopped.Load() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.stopped {
 		return nil
 	}
 	return n.send("READY=1")
@@ -74,7 +77,9 @@ func (n *notifier) reloading() error {
 // than the unit's TimeoutStopSec run to its end instead of being killed
 // (systemd only ever lengthens the stop with it, never shortens it).
 func (n *notifier) stopping(within time.Duration) error {
-	n.stopped.Store(true)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.stopped = true
 	return n.send("STOPPING=1", fmt.Sprintf("EXTEND_TIMEOUT_USEC=%d", within.Microseconds()))
 }
 
