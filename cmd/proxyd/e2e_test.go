@@ -122,6 +122,18 @@ func (e *e2e) admin(path string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
+// upstreamsOf counts the upstreams of service in /pool, draining ones
+// included.
+func (e *e2e) upstreamsOf(service int) int {
+	n := 0
+	for _, u := range e.poolState().Upstreams {
+		if u.Service == service {
+			n++
+		}
+	}
+	return n
+}
+
 func (e *e2e) poolState() pool.Explanation {
 	_, body := e.admin("/pool")
 	var ex pool.Explanation
@@ -1057,16 +1069,7 @@ func TestDaemonFetchesOnlyDrawnLists(t *testing.T) {
 	})
 	e.waitReady()
 	e.pollOnce(agent.LoopLists)
-	pprUpstreams := func() int {
-		n := 0
-		st := e.poolState()
-		for _, u := range st.Upstreams {
-			if u.Service == demoPPR {
-				n++
-			}
-		}
-		return n + len(st.Unserved)
-	}
+	pprUpstreams := func() int { return e.upstreamsOf(demoPPR) + len(e.poolState().Unserved) }
 	if n := w.sim.Requests("/api/sticky/list/{id}"); n != 0 {
 		t.Errorf("%d sticky-session requests with no listener drawing ppr", n)
 	}
@@ -1178,84 +1181,45 @@ func TestDaemonRestartFromStateFollowsConfig(t *testing.T) {
 }
 
 // A reload that leaves a service out of [api] services takes its
-// upstreams out at once, while the API is down too.
+// upstreams and usage gauges out at once while the API is down: after the
+// API had answered, and after a restart during the outage, when the pool
+// came from the state file and the poller never knew the service.
 func TestDaemonReloadNarrowsServicesAPIDown(t *testing.T) {
-	w := newWorld(t)
-	e := startDaemon(t, w, t.TempDir(), nil)
-	e.waitReady()
-	pprUpstreams := func() int {
-		n := 0
-		for _, u := range e.poolState().Upstreams {
-			if u.Service == demoPPR {
-				n++
+	for _, restart := range []bool{false, true} {
+		t.Run(fmt.Sprintf("restart=%v", restart), func(t *testing.T) {
+			w := newWorld(t)
+			state := t.TempDir()
+			w.sim.SetUsage(demoPPR, 700, 1024)
+			e := startDaemon(t, w, state, nil)
+			e.waitReady()
+			e.pollOnce(agent.LoopUsage)
+			w.sim.FailNext(1<<30, 500, "down")
+			if restart {
+				e.d.Close()
+				e = startDaemon(t, w, state, nil)
+				e.waitReady()
 			}
-		}
-		return n
-	}
-	if pprUpstreams() == 0 {
-		t.Fatalf("no upstream of service %d before the reload", demoPPR)
-	}
-	w.sim.FailNext(1<<30, 500, "down")
-	next := e.nextConfig()
-	next.API.Services = []int{demoFPR}
-	if err := e.d.Reload(next); err != nil {
-		t.Fatal(err)
-	}
-	e.cfg = next
-	if n := pprUpstreams(); n != 0 {
-		t.Errorf("%d upstreams of service %d in the pool after a reload left it out of api.services", n, demoPPR)
-	}
-	for range 4 {
-		if via := e.mustGet("http", ""); !strings.HasPrefix(via, "fpr-") {
-			t.Errorf("request went via %s after service %d left api.services", via, demoPPR)
-		}
-	}
-}
-
-// A restart during an outage, then a reload that leaves a service out of
-// [api] services: the poller never knew the service (the pool came from
-// the state file), yet its restored upstreams leave at once, with its
-// restored usage gauges.
-func TestDaemonReloadNarrowsServicesAfterRestart(t *testing.T) {
-	w := newWorld(t)
-	state := t.TempDir()
-	w.sim.SetUsage(demoPPR, 700, 1024)
-	e := startDaemon(t, w, state, nil)
-	e.waitReady()
-	e.pollOnce(agent.LoopUsage)
-	e.d.Close()
-
-	w.sim.FailNext(1<<30, 500, "down")
-	e2 := startDaemon(t, w, state, nil)
-	e2.waitReady()
-	ppr := func() int {
-		n := 0
-		for _, u := range e2.poolState().Upstreams {
-			if u.Service == demoPPR {
-				n++
+			if e.upstreamsOf(demoPPR) == 0 {
+				t.Fatalf("no upstream of service %d before the reload", demoPPR)
 			}
-		}
-		return n
-	}
-	if ppr() == 0 {
-		t.Fatalf("no upstream of service %d restored", demoPPR)
-	}
-	next := e2.nextConfig()
-	next.API.Services = []int{demoFPR}
-	if err := e2.d.Reload(next); err != nil {
-		t.Fatal(err)
-	}
-	e2.cfg = next
-	if n := ppr(); n != 0 {
-		t.Errorf("%d restored upstreams of service %d in the pool after a reload left it out of api.services", n, demoPPR)
-	}
-	for range 4 {
-		if via := e2.mustGet("http", ""); !strings.HasPrefix(via, "fpr-") {
-			t.Errorf("request went via %s", via)
-		}
-	}
-	if _, body := e2.admin("/metrics"); strings.Contains(body, `proxyd_usage_limit{service="102"}`) {
-		t.Errorf("the dropped service's restored usage gauges remain:\n%s", grepLines(body, "proxyd_usage"))
+			next := e.nextConfig()
+			next.API.Services = []int{demoFPR}
+			if err := e.d.Reload(next); err != nil {
+				t.Fatal(err)
+			}
+			e.cfg = next
+			if n := e.upstreamsOf(demoPPR); n != 0 {
+				t.Errorf("%d upstreams of service %d in the pool after a reload left it out of api.services", n, demoPPR)
+			}
+			for range 4 {
+				if via := e.mustGet("http", ""); !strings.HasPrefix(via, "fpr-") {
+					t.Errorf("request went via %s after service %d left api.services", via, demoPPR)
+				}
+			}
+			if _, body := e.admin("/metrics"); strings.Contains(body, `proxyd_usage_limit{service="102"}`) {
+				t.Errorf("the dropped service's usage gauges remain:\n%s", grepLines(body, "proxyd_usage"))
+			}
+		})
 	}
 }
 
