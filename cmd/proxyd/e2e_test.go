@@ -122,6 +122,18 @@ func (e *e2e) admin(path string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
+// startWithUsage starts a daemon on a new world whose ppr service is at
+// 700 of its 1024 limit, read once: its state file holds the usage.
+func startWithUsage(t *testing.T, mutate func(*config)) (*demoWorld, string, *e2e) {
+	t.Helper()
+	w, state := newWorld(t), t.TempDir()
+	w.sim.SetUsage(demoPPR, 700, 1024)
+	e := startDaemon(t, w, state, mutate)
+	e.waitReady()
+	e.pollOnce(agent.LoopUsage)
+	return w, state, e
+}
+
 // upstreamsOf counts the upstreams of service in /pool, draining ones
 // included.
 func (e *e2e) upstreamsOf(service int) int {
@@ -1094,12 +1106,7 @@ func TestDaemonFetchesOnlyDrawnLists(t *testing.T) {
 // quota, and the state's age is that of the last successful refresh, not
 // of the last change of the file.
 func TestDaemonRestartFromStateFollowsConfig(t *testing.T) {
-	w := newWorld(t)
-	state := t.TempDir()
-	w.sim.SetUsage(demoPPR, 700, 1024)
-	e := startDaemon(t, w, state, nil)
-	e.waitReady()
-	e.pollOnce(agent.LoopUsage)
+	w, state, e := startWithUsage(t, nil)
 	e.d.Close()
 	// The pool was saved an hour ago; since then refreshes found the same.
 	old, err := readState(state)
@@ -1187,12 +1194,7 @@ func TestDaemonRestartFromStateFollowsConfig(t *testing.T) {
 func TestDaemonReloadNarrowsServicesAPIDown(t *testing.T) {
 	for _, restart := range []bool{false, true} {
 		t.Run(fmt.Sprintf("restart=%v", restart), func(t *testing.T) {
-			w := newWorld(t)
-			state := t.TempDir()
-			w.sim.SetUsage(demoPPR, 700, 1024)
-			e := startDaemon(t, w, state, nil)
-			e.waitReady()
-			e.pollOnce(agent.LoopUsage)
+			w, state, e := startWithUsage(t, nil)
 			w.sim.FailNext(1<<30, 500, "down")
 			if restart {
 				e.d.Close()
@@ -1227,13 +1229,8 @@ func TestDaemonReloadNarrowsServicesAPIDown(t *testing.T) {
 // pool at the first account round, and its restored usage gauges leave
 // with it (they were never in the metrics' set of services).
 func TestDaemonRestoredServiceSuspendedLeavesMetrics(t *testing.T) {
-	w := newWorld(t)
-	state := t.TempDir()
-	w.sim.SetUsage(demoPPR, 700, 1024)
 	every := func(c *config) { c.API.Services = nil } // every Active service
-	e := startDaemon(t, w, state, every)
-	e.waitReady()
-	e.pollOnce(agent.LoopUsage)
+	w, state, e := startWithUsage(t, every)
 	e.d.Close()
 	if st, _ := readState(state); st == nil || st.Usage[demoPPR].Limit != 1024 {
 		t.Fatalf("no usage saved: %+v", st)
