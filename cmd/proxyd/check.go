@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io/fs"
+	"reflect"
 
 	"github.com/proxyd/proxyd/agent"
 )
@@ -18,10 +19,13 @@ func cmdCheck(args []string, io stdio) int {
 		return code
 	}
 	cfg, err := loadConfig(*path)
-	var errs configErrors
+	var problems configErrors
 	switch {
-	case errors.As(err, &errs):
-		return printProblems(io, *path, errs)
+	case errors.As(err, &problems) && reflect.ValueOf(cfg).IsZero():
+		return printProblems(io, *path, problems) // a syntax error: nothing was decoded
+	case errors.As(err, &problems):
+		// Decoded with problems: the secrets are read too, so that every
+		// problem is said in one run.
 	case err != nil:
 		fmt.Fprintf(io.err, "proxyd check: %v\n", err)
 		return 1
@@ -30,12 +34,17 @@ func cmdCheck(args []string, io stdio) int {
 	// runs (a file only the service's user can read, or that exists only
 	// under systemd; a credential only the unit's environment gives) is a
 	// warning; a secret that was read and is unusable fails run too, so it
-	// is a problem here.
-	var problems configErrors
+	// is a problem here. A key already said to be wrong is not said again.
+	said := map[string]bool{}
+	for _, e := range problems {
+		said[e.Key] = true
+	}
 	report := func(e keyError) {
-		if environmental(e) {
+		switch {
+		case said[e.Key]:
+		case environmental(e):
 			fmt.Fprintf(io.err, "%s: warning: %v\n", *path, e)
-		} else {
+		default:
 			problems = append(problems, e)
 		}
 	}
