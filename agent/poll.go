@@ -160,7 +160,7 @@ type Snapshot struct {
 	Time         time.Time
 	AccountKnown bool           // the service list was fetched at least once
 	ListsUpdated time.Time      // end of the last lists round in which every fetch succeeded
-	ListsFrom    string         // the base URL (Client.BaseURL) that round asked
+	ListsFrom    string         // the base URL (Client.BaseURL) of the last lists round that fetched any service's lists
 	Services     []ServiceState // served services, by ID
 	Dropped      []int          // services known but not served (Suspended, Terminated, Cancelled, …)
 	Wanted       []int          // the services meant to be served: configured, or the account's Active ones
@@ -1037,8 +1037,12 @@ func (p *Poller) pollLists(ctx context.Context, r roundStart, units []unit) erro
 		}
 	}
 	p.mu.Lock()
-	if firstErr == nil && fetched > 0 && p.gen == gen {
-		p.snap.ListsUpdated, p.snap.ListsFrom = p.now(), p.client.BaseURL()
+	if fetched > 0 && p.gen == gen {
+		// Some lists came from this provider, even if others failed.
+		p.snap.ListsFrom = p.client.BaseURL()
+		if firstErr == nil {
+			p.snap.ListsUpdated = p.now()
+		}
 	}
 	p.mu.Unlock()
 	p.changed()

@@ -2,9 +2,12 @@ package agent
 
 import (
 	"context"
+	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -289,5 +292,35 @@ func TestPollerSeededSizesOfUnservedServiceForgotten(t *testing.T) {
 				t.Errorf("service 101 served again: %+v, want the provider's one socks-ip entry, known", st)
 			}
 		})
+	}
+}
+
+// A lists round in which one service fails still says which provider the
+// other services' lists came from; only a round in which every fetch
+// succeeded moves the time of the last refresh.
+func TestPollerListsFromAfterPartialRound(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	var failing atomic.Bool
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+		if failing.Load() && strings.HasPrefix(r.URL.Path, "/api/iplist/") && strings.HasSuffix(r.URL.Path, "/102") {
+			w.WriteHeader(http.StatusInternalServerError)
+			return true
+		}
+		return false
+	})
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} }), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	failing.Store(true)
+	if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PollOnce(context.Background(), LoopLists); err == nil {
+		t.Fatal("the lists round did not fail for service 102")
+	}
+	s := p.Snapshot()
+	if s.ListsFrom != c.BaseURL() || !s.ListsUpdated.IsZero() {
+		t.Errorf("after a partial round: lists from %q (want %q), updated %v (want none)", s.ListsFrom, c.BaseURL(), s.ListsUpdated)
 	}
 }

@@ -541,7 +541,10 @@ func (d *daemon) apply(agent.Snapshot) {
 	// it fresh even when nothing changed. The file keeps it, so that a
 	// restart during an outage tells the same age.
 	if !s.ListsUpdated.IsZero() {
-		d.fetched, d.fetchedAt = s.ListsUpdated, s.ListsFrom
+		d.fetched = s.ListsUpdated
+	}
+	if s.ListsFrom != "" {
+		d.fetchedAt = s.ListsFrom // also after a round in which some service failed
 	}
 	d.saveState()
 	if !d.fetched.IsZero() {

@@ -22,9 +22,11 @@ const stateVersion = 1
 type savedState struct {
 	Version int       `json:"version"`
 	Saved   time.Time `json:"saved"`
-	// BaseURL is the provider whose lists Fetched refreshed (without a
-	// trailing slash): a restart against another one does not serve the
-	// pool (empty, as in files from before it was kept: served).
+	// BaseURL is the provider the pool's lists last came from (without a
+	// trailing slash), also after a round in which some service failed: a
+	// restart against another one does not serve the pool (empty, as in
+	// files from before it was kept, or before any list was fetched:
+	// served).
 	BaseURL string `json:"base_url,omitempty"`
 	// Fetched is the last successful refresh of the lists the upstreams
 	// come from (zero if none yet): proxyd_state_age_seconds counts from
