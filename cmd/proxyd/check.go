@@ -34,14 +34,16 @@ func cmdCheck(args []string, io stdio) int {
 	// runs (a file only the service's user can read, or that exists only
 	// under systemd; a credential only the unit's environment gives) is a
 	// warning; a secret that was read and is unusable fails run too, so it
-	// is a problem here. A key already said to be wrong is not said again.
+	// is a problem here. A problem already said (the same key and words,
+	// as when validation and reading both find a login without password)
+	// is not said again.
 	said := map[string]bool{}
 	for _, e := range problems {
-		said[e.Key] = true
+		said[e.Error()] = true
 	}
 	report := func(e keyError) {
 		switch {
-		case said[e.Key]:
+		case said[e.Error()]:
 		case environmental(e):
 			fmt.Fprintf(io.err, "%s: warning: %v\n", *path, e)
 		default:

@@ -478,6 +478,18 @@ func TestCheckCommand(t *testing.T) {
 	os.WriteFile(twoLines, []byte("one\ntwo\n"), 0o600)
 	long := filepath.Join(t.TempDir(), "long")
 	os.WriteFile(long, []byte(strings.Repeat("p", 256)), 0o600)
+	// Two problems of one key are both said; one found twice is said once.
+	pwFile := filepath.Join(t.TempDir(), "pw")
+	os.WriteFile(pwFile, []byte("one\ntwo\n"), 0o600)
+	os.WriteFile(path, []byte("[api]\nlogin = \"u\"\npassword = \"p\"\npassword_file = \""+pwFile+"\"\n"), 0o600)
+	if code, out := run(path); code != 1 || !strings.Contains(out, "c.toml: api.password_file: set either password or password_file") ||
+		!strings.Contains(out, "c.toml: api.password_file: reading "+pwFile+": more than one line") || !strings.Contains(out, "2 problem(s)") {
+		t.Errorf("two problems of api.password_file: exit %d\n%s", code, out)
+	}
+	os.WriteFile(path, []byte("[api]\nlogin = \"u\"\n"), 0o600)
+	if code, out := run(path); code != 1 || strings.Count(out, "api.login: is set without a password") != 1 || !strings.Contains(out, "1 problem(s)") {
+		t.Errorf("login without password: exit %d\n%s", code, out)
+	}
 	// With another problem in the file, both are said in one run.
 	os.WriteFile(path, []byte("[api]\ntoken_file = \""+twoLines+"\"\n[poll]\nip_list = \"1ms\"\n"), 0o600)
 	if code, out := run(path); code != 1 || !strings.Contains(out, "c.toml: poll.ip_list: ") ||
