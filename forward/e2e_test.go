@@ -249,9 +249,14 @@ func TestConnect16MiB(t *testing.T) {
 		echo := startTCP(t, "tcp", "127.0.0.1:0", echoServe)
 		p := newFakePool(up)
 		tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
-		c, br, resp := rawConnect(t, tl.addr, echo, "")
+		// A sticky key, so that the tunnel's release is checked against
+		// its pick's key (waitBalanced).
+		c, br, resp := rawConnect(t, tl.addr, echo, "Proxy-Authorization: "+basicHeader("session-big", "x")+"\r\n")
 		if resp.StatusCode != 200 {
 			t.Fatalf("CONNECT: %d", resp.StatusCode)
+		}
+		if picks := p.Picks(); len(picks) == 0 || picks[0].Key == "" {
+			t.Fatalf("the tunnel's pick had no key: %+v", picks)
 		}
 		bigTransfer(t, c, br, 16<<20)
 		_ = c.Close()

@@ -708,11 +708,14 @@ func TestUpgradeAnsweredWhileWatched(t *testing.T) {
 
 // askUpgrade sends the HTTP listener at addr a WebSocket upgrade to dest
 // without waiting for the answer.
+// It asks with a sticky key, so that every way its set-up ends releases
+// with its pick's key (the fake pool's waitBalanced checks it).
 func askUpgrade(t *testing.T, addr, dest string) net.Conn {
 	t.Helper()
 	c, _ := dialRaw(t, addr)
 	fmt.Fprintf(c, "GET http://%s/ws HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"+
-		"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", dest, dest)
+		"Proxy-Authorization: %s\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+		dest, dest, basicHeader("session-ws", "x"))
 	return c
 }
 

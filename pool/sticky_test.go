@@ -305,7 +305,7 @@ func TestStickyFallbackHoldsTheKey(t *testing.T) {
 		<-ctx.Done() // never answers; Run's end cancels it
 		return "", ctx.Err()
 	}}
-	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = 200 * time.Millisecond; c.StickyMax = 1; c.StickyIdle = time.Minute }),
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = time.Second; c.StickyMax = 1; c.StickyIdle = time.Minute }),
 		Options{Now: clk.Now, Rotator: rot})
 	ss := sessions(7, 3, "198.51.100.1")
 	p.Update(ss)
