@@ -117,7 +117,7 @@ func badShare(st *ServiceState) float64 {
 // errored or inactive IPs has held for update_list_after, and polls the
 // new list at once. Called after each status round.
 func (p *Poller) manageLists(ctx context.Context) {
-	client, cfg, _ := p.current()
+	_, cfg, _ := p.current()
 	share, after := cfg.Manage.UpdateListShare, cfg.Manage.UpdateListAfter
 	if share <= 0 {
 		// Off: the share is not watched, so when it was reached is not
@@ -132,7 +132,9 @@ func (p *Poller) manageLists(ctx context.Context) {
 	now := p.now()
 	var due []int
 	p.mu.Lock()
-	provider := p.provider
+	// The client and its provider epoch read together: a reload between
+	// two reads would send the old client's 429 to the new provider's state.
+	client, provider := p.client, p.provider
 	for id, st := range p.services {
 		if st.Record.ProductType != "fpr" || !st.StatusKnown() {
 			continue

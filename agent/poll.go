@@ -293,7 +293,7 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 			}
 		}
 	}
-	p.forgetSizes(func(id int) bool { return !cfg.Serves(id) })
+	p.forgetSizes(listsOf(func(id int) bool { return !cfg.Serves(id) }))
 	p.snap.Wanted = slices.DeleteFunc(p.snap.Wanted, func(id int) bool { return !cfg.Serves(id) })
 	p.pruneClocks()
 	if providerChanged {
@@ -315,28 +315,33 @@ func (p *Poller) Reconfigure(c *Client, cfg PollConfig, providerChanged bool) er
 	return nil
 }
 
-// forgetService drops a service that is no longer served: its state, its
-// list-update state, and the last good sizes of its lists (its upstreams
-// leave the pool, so nothing is kept that a smaller first answer could be
-// held back for if it is served again). Called with p.mu held.
+// forgetService drops a service that is no longer served: its state and
+// its list-update state. Its lists' sizes go with forgetSizes. Called with
+// p.mu held.
 func (p *Poller) forgetService(id int) {
 	delete(p.services, id)
 	delete(p.manage, id)
-	p.forgetSizes(func(s int) bool { return s == id })
 }
 
-// forgetSizes drops the last good and pending list sizes of the services
-// gone says are not served: also those only Seed knew (restored from the
-// daemon's state file, never polled). Keys are "<service>/<list>"; the
-// account's service-list key is kept. Called with p.mu held.
-func (p *Poller) forgetSizes(gone func(service int) bool) {
-	of := func(key string) bool {
+// forgetSizes drops the last good and pending sizes of the lists gone
+// names (keys "<service>/<list>"): a
+// list whose upstreams left the pool keeps nothing that a smaller first
+// answer could be held back for when it is drawn or served again. Called
+// with p.mu held.
+func (p *Poller) forgetSizes(gone func(key string) bool) {
+	maps.DeleteFunc(p.lastGood, func(key string, _ int) bool { return gone(key) })
+	maps.DeleteFunc(p.pending, func(key string, _ pendingList) bool { return gone(key) })
+}
+
+// listsOf is a forgetSizes test for every list of the services gone names,
+// also those only Seed knew (restored from the daemon's state file, never
+// polled); the account's service-list key is kept.
+func listsOf(gone func(service int) bool) func(key string) bool {
+	return func(key string) bool {
 		id, _, ok := strings.Cut(key, "/")
 		n, err := strconv.Atoi(id)
 		return ok && err == nil && gone(n)
 	}
-	maps.DeleteFunc(p.lastGood, func(key string, _ int) bool { return of(key) })
-	maps.DeleteFunc(p.pending, func(key string, _ pendingList) bool { return of(key) })
 }
 
 // current returns the client, config and generation a round works with.
@@ -964,11 +969,12 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 			}
 		}
 	}
-	if listOK {
-		// Sizes seeded for services this round does not serve go too
-		// (a trusted list: one withheld as shrunk keeps them).
-		p.forgetSizes(func(id int) bool { return slices.Contains(dropped, id) || !slices.Contains(want, id) })
-	}
+	// The sizes of the services dropped go, and (a trusted list: one
+	// withheld as shrunk keeps them) those seeded for services this round
+	// does not serve.
+	p.forgetSizes(listsOf(func(id int) bool {
+		return slices.Contains(dropped, id) || listOK && !slices.Contains(want, id)
+	}))
 	p.snap.Dropped = dropped
 	p.pruneClocks()
 	if cerr == nil {
@@ -1144,19 +1150,19 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	// IP would still have them rotated. Their last good size goes too:
 	// nothing is kept that a smaller answer could be held back for, so
 	// drawn again, the first answer is taken as any first one.
-	forget := func(key string) {
-		delete(p.lastGood, key)
-		delete(p.pending, key)
-	}
+	var gone []string
 	for typ := range listProtocol { // every type, also one seeded from the state file alone
 		if !slices.Contains(wanted, typ) {
 			delete(st.Lists, typ)
-			forget(fmt.Sprintf("%d/%s", id, typ))
+			gone = append(gone, fmt.Sprintf("%d/%s", id, typ))
 		}
 	}
 	if !wantSticky {
 		st.Sticky = nil
-		forget(fmt.Sprintf("%d/sticky", id))
+		gone = append(gone, fmt.Sprintf("%d/sticky", id))
+	}
+	if len(gone) > 0 {
+		p.forgetSizes(func(key string) bool { return slices.Contains(gone, key) })
 	}
 	if stickyOK && wantSticky {
 		if take(fmt.Sprintf("%d/sticky", id), "sticky session list", len(sticky)) {

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -167,15 +168,32 @@ func TestPollerReconfigureSameProvider(t *testing.T) {
 
 // A reload that leaves a service out of [api] services drops it at once,
 // with the API failing: it is in Dropped, no longer in the snapshot, and
-// its lists are not asked for again.
+// the rounds that follow ask nothing about it.
 func TestPollerReconfigureNarrowsServices(t *testing.T) {
-	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
-	p, sim, _ := newPollerForTest(t, cfg)
+	sim := providersim.New(providersim.Config{})
+	var down atomic.Bool
+	var asked, about102 atomic.Int32
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+		if !down.Load() {
+			return false
+		}
+		asked.Add(1)
+		if strings.HasSuffix(r.URL.Path, "/102") {
+			about102.Add(1)
+		}
+		w.WriteHeader(http.StatusInternalServerError)
+		return true
+	})
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102}; c.LookupHost = sim.LookupHost })
+	p, err := NewPoller(c, cfg, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	pollAll(t, p)
 	if serviceByID(p.Snapshot(), 102) == nil {
 		t.Fatal("service 102 not served before the reload")
 	}
-	sim.FailNext(1<<30, 500, "down")
+	down.Store(true)
 	cfg.Services = []int{101}
 	if err := p.Reconfigure(p.client, cfg, false); err != nil {
 		t.Fatal(err)
@@ -187,10 +205,11 @@ func TestPollerReconfigureNarrowsServices(t *testing.T) {
 	if serviceByID(s, 101) == nil {
 		t.Error("service 101 left too")
 	}
-	for _, u := range p.units(LoopLists) {
-		if u.service == 102 {
-			t.Error("service 102 is still a unit of the lists loop")
-		}
+	for l := LoopLists; l < numLoops; l++ {
+		_ = p.PollOnce(context.Background(), l) // fails: the API is down
+	}
+	if asked.Load() == 0 || about102.Load() != 0 {
+		t.Errorf("%d requests after the reload, %d of them about service 102; want some, none about it", asked.Load(), about102.Load())
 	}
 }
 
@@ -223,9 +242,11 @@ func TestPollerServiceServedAgainStartsFresh(t *testing.T) {
 // listener) refreshes nothing: with the API down, the time of the last
 // refresh stays where it was.
 func TestPollerListsUpdatedOnlyByFetches(t *testing.T) {
+	clock := newFakeClock()
 	cfg := pollConfig(func(c *PollConfig) {
 		c.Services = []int{101, 102}
 		c.Draws = func(_ int, kind, _ string) bool { return kind == "fpr" }
+		c.Now = clock.Now
 	})
 	p, sim, _ := newPollerForTest(t, cfg)
 	pollAll(t, p)
@@ -233,6 +254,7 @@ func TestPollerListsUpdatedOnlyByFetches(t *testing.T) {
 	if before.IsZero() {
 		t.Fatal("no lists round succeeded")
 	}
+	clock.Advance(time.Minute) // a refresh now would show
 	sim.FailNext(1<<30, 500, "down")
 	requests := sim.Requests("/api/iplist/{typel}/{formatl}/{id}")
 	// A round in which only 102 is due (101 backs off on its own clock).
