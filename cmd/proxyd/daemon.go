@@ -233,9 +233,7 @@ func (d *daemon) Run(ctx context.Context) error {
 	go func() { defer d.wg.Done(); d.watchdog(bg) }()
 
 	close(d.ready)
-	if err := d.notify.ready(); err != nil {
-		d.log.Warn("systemd notify failed", "err", err)
-	}
+	d.notified(d.notify.ready())
 	d.log.Info("proxyd serving", "listeners", len(cfg.Listener), "admin", d.adminAddr(), "upstreams", len(d.pool.Upstreams()))
 
 	<-ctx.Done()
@@ -243,9 +241,7 @@ func (d *daemon) Run(ctx context.Context) error {
 	d.mu.Lock()
 	timeout := d.cfg.Shutdown.DrainTimeout // a reload may have changed it
 	d.mu.Unlock()
-	if err := d.notify.stopping(timeout + stopMargin); err != nil {
-		d.log.Warn("systemd notify failed", "err", err)
-	}
+	d.notified(d.notify.stopping(timeout + stopMargin))
 	d.log.Info("stopping: draining connections", "timeout", timeout)
 	drain, cancel := context.WithTimeout(context.Background(), timeout)
 	d.shutdownListeners(drain)
@@ -389,10 +385,17 @@ func (d *daemon) watchdog(ctx context.Context) {
 		maxAge := d.cfg.API.Timeout + 10*time.Second // a reload may change it
 		d.mu.Unlock()
 		if alive, why := d.alive(maxAge); alive || d.draining.Load() {
-			d.notify.watchdog()
+			d.notified(d.notify.watchdog())
 		} else {
 			d.log.Error("not pinging the systemd watchdog", "reason", why)
 		}
+	}
+}
+
+// notified logs a message systemd did not take; the daemon goes on.
+func (d *daemon) notified(err error) {
+	if err != nil {
+		d.log.Warn("systemd notify failed", "err", err)
 	}
 }
 

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -14,8 +15,9 @@ import (
 // runs the same outside systemd.
 type notifier struct {
 	addr    *net.UnixAddr
-	mu      sync.Mutex // orders READY=1 and STOPPING=1
-	stopped bool       // STOPPING=1 was sent: no READY=1 after it (guarded by mu)
+	timeout time.Duration // bound on one send (notifyTimeout)
+	mu      sync.Mutex    // orders READY=1 and STOPPING=1
+	stopped bool          // STOPPING=1 was sent: no READY=1 after it (guarded by mu)
 }
 
 func newNotifier(getenv func(string) string) *notifier {
@@ -26,8 +28,14 @@ func newNotifier(getenv func(string) string) *notifier {
 	if strings.HasPrefix(path, "@") { // abstract namespace
 		path = "\x00" + path[1:]
 	}
-	return &notifier{addr: &net.UnixAddr{Name: path, Net: "unixgram"}}
+	return &notifier{addr: &net.UnixAddr{Name: path, Net: "unixgram"}, timeout: notifyTimeout}
 }
+
+// notifyTimeout bounds one message to systemd. A datagram blocks while
+// systemd's notify socket is full (systemd not reading it, a stalled
+// manager): without a bound READY=1 would hold a reload and STOPPING=1 the
+// drain. When it fires the fault is systemd's, and the daemon goes on.
+const notifyTimeout = 2 * time.Second
 
 func (n *notifier) enabled() bool { return n.addr != nil }
 
@@ -41,7 +49,11 @@ func (n *notifier) send(state ...string) error {
 		return fmt.Errorf("notifying systemd: %w", err)
 	}
 	defer conn.Close()
+	_ = conn.SetWriteDeadline(time.Now().Add(n.timeout))
 	if _, err := conn.Write([]byte(strings.Join(state, "\n"))); err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return fmt.Errorf("notifying systemd: $NOTIFY_SOCKET took nothing within %s (systemd is not reading it)", n.timeout)
+		}
 		return fmt.Errorf("notifying systemd: %w", err)
 	}
 	return nil

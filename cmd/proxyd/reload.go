@@ -104,8 +104,8 @@ func (d *daemon) reload(load func() (config, error)) error {
 	if !running {
 		return errors.New("not reloading: proxyd is starting or stopping")
 	}
-	d.notify.reloading()
-	defer d.notify.ready()
+	d.notified(d.notify.reloading())
+	defer func() { d.notified(d.notify.ready()) }()
 	next, err := load()
 	if err == nil {
 		if errs := next.validate(); len(errs) > 0 {

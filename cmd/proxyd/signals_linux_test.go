@@ -302,3 +302,35 @@ func TestNotifierNoReadyAfterStopping(t *testing.T) {
 		t.Errorf("after STOPPING=1: %q", m)
 	}
 }
+
+// A notify socket nobody reads fills up, and then a datagram to it waits
+// for room; the notifier gives up after its bound and says whose fault it
+// is, so READY=1 cannot hold a reload nor STOPPING=1 a drain.
+func TestNotifierSendIsBounded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "notify.sock")
+	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: path, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close() // never read
+	n := newNotifier(func(k string) string { return map[string]string{"NOTIFY_SOCKET": path}[k] })
+	n.timeout = 200 * time.Millisecond
+	for i := 0; i < 1<<17; i++ {
+		start := time.Now()
+		err := n.send("STATUS=filling")
+		if took := time.Since(start); took > n.timeout+2*time.Second {
+			t.Fatalf("send %d took %s, bound %s", i, took, n.timeout)
+		}
+		if err == nil {
+			continue
+		}
+		if !strings.Contains(err.Error(), "took nothing within 200ms (systemd is not reading it)") {
+			t.Fatalf("send %d: %v", i, err)
+		}
+		if err := n.stopping(time.Second); err == nil {
+			t.Fatal("STOPPING=1 to a full socket: no error")
+		}
+		return
+	}
+	t.Fatal("the notify socket never filled")
+}
