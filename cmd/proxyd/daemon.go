@@ -40,19 +40,18 @@ type daemon struct {
 	prober  *tcpProber     // the pool's active probe, dialing from the listeners' source addresses
 	events  *pool.EventLog // GET /events: what happened to upstreams, services, listeners and reloads
 
-	reloadMu   sync.Mutex          // serializes reloads: what prepare read stays current until the commit
-	applyMu    sync.Mutex          // serializes apply
-	status     map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
-	lastSaved  string              // stateKey of the state file's content (guarded by applyMu)
-	fetched    time.Time           // the last successful lists refresh of the pool served, saved with it (guarded by applyMu)
-	fetchedAt  string              // the base URL of that refresh (guarded by applyMu)
-	stateMoved atomic.Bool         // a reload changed [state] dir: the next save writes there even if nothing changed
-	draining   atomic.Bool         // SIGTERM: the accept loops are closing on purpose
-	mu         sync.Mutex
-	cfg        config
-	listeners  map[string]*runningListener
-	admin      *adminServer
-	running    bool // listeners bound and not yet stopping; Reload needs it
+	reloadMu  sync.Mutex          // serializes reloads: what prepare read stays current until the commit
+	applyMu   sync.Mutex          // serializes apply
+	status    map[int]savedStatus // provider status by service, as last known (guarded by applyMu)
+	lastSaved string              // stateKey of the state file's content, "" when unknown: the next save writes (guarded by applyMu)
+	fetched   time.Time           // the last successful lists refresh of the pool served, saved with it (guarded by applyMu)
+	fetchedAt string              // the base URL of that refresh (guarded by applyMu)
+	draining  atomic.Bool         // SIGTERM: the accept loops are closing on purpose
+	mu        sync.Mutex
+	cfg       config
+	listeners map[string]*runningListener
+	admin     *adminServer
+	running   bool // listeners bound and not yet stopping; Reload needs it
 
 	ready   chan struct{} // closed once every listener accepts
 	stop    chan struct{} // closed by Close
@@ -591,12 +590,13 @@ func (d *daemon) saveState() {
 			cmp.Compare(a.Protocol, b.Protocol), cmp.Compare(a.Session, b.Session))
 	})
 	key := stateKey(st)
-	if key == d.lastSaved && !d.stateMoved.Swap(false) {
+	if key == d.lastSaved {
 		return
 	}
 	st.Saved = time.Now().UTC()
 	if err := writeState(d.stateDir(), st); err != nil {
 		d.log.Warn("saving pool state", "err", err)
+		d.lastSaved = "" // what the file holds is unknown: the next save writes, changed pool or not
 		return
 	}
 	d.lastSaved = key

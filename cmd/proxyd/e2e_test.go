@@ -416,6 +416,38 @@ func TestDaemonRestartServesFromState(t *testing.T) {
 	}
 }
 
+// A reload that moves [state] dir saves there at once, changed pool or
+// not. When that save fails (here the file's name is taken by a
+// directory; a full disk does the same), the next save still writes,
+// changed pool or not, instead of waiting for the pool to change.
+func TestDaemonStateSaveRetriedAfterFailure(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	moved := t.TempDir()
+	blocker := filepath.Join(moved, stateFileName)
+	if err := os.Mkdir(blocker, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	next := e.cfg
+	next.State.Dir = moved
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(e.logs.String(), "saving pool state") {
+		t.Fatalf("the save into the moved dir did not fail:\n%s", e.logs.String())
+	}
+	if err := os.Remove(blocker); err != nil {
+		t.Fatal(err)
+	}
+	e.d.applyMu.Lock()
+	e.d.saveState() // the same pool as before the reload
+	e.d.applyMu.Unlock()
+	if saved, err := readState(moved); err != nil || saved == nil || len(saved.Upstreams) == 0 {
+		t.Fatalf("no state in the moved dir after it took writes again: %+v, %v", saved, err)
+	}
+}
+
 // After a restart, a first IP list that comes back empty is not swapped in
 // before a regular poll, an ip_list interval later, confirms it: the saved
 // upstreams keep serving.

@@ -288,8 +288,8 @@ func (d *daemon) applyConfig(next config) error {
 	}
 	if plan.State {
 		// Saved there from now on: at once, changed pool or not.
-		d.stateMoved.Store(true)
 		d.applyMu.Lock()
+		d.lastSaved = ""
 		d.saveState()
 		d.applyMu.Unlock()
 	}
