@@ -125,9 +125,10 @@ type ServiceState struct {
 	Inactive    []string           // networkstatus/inactive
 	Rate, Limit float64            // ppr usage; HasUsage when known
 	HasUsage    bool
-	// UsageEmpty: the last rate answer was an empty array, so the service
-	// has no figures (any more) to weigh against a quota. Both false:
-	// not read yet.
+	// UsageEmpty: the service has no figures (any more) to weigh against
+	// a quota: the last rate answer was an empty array, or it is not (any
+	// longer) a ppr service, whose rate alone is read. Both false: not
+	// read yet.
 	UsageEmpty bool
 	// ListsKnown: every needed list was fetched and swapped in at least
 	// once, so the daemon may serve what they give instead of what it had.
@@ -955,6 +956,11 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 			added = true
 		}
 		st.Record = rec
+		if rec.ProductType != "ppr" {
+			// Its rate is not read: figures from when it was ppr (or a
+			// restored state) must not keep a quota on it.
+			st.Rate, st.Limit, st.HasUsage, st.UsageEmpty = 0, 0, false, true
+		}
 	}
 	// A service that failed to load keeps its last state; one that is no
 	// longer served (or no longer Active) leaves.

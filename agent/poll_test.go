@@ -835,6 +835,26 @@ func TestPollerEmptyRateClearsUsage(t *testing.T) {
 	}
 }
 
+// A ppr service that becomes another product loses its figures with the
+// account round that says so: its rate is no longer read, and the last
+// one would otherwise hold a quota on it for good.
+func TestPollerServiceNoLongerPPRClearsUsage(t *testing.T) {
+	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{102} }))
+	pollAll(t, p)
+	if st := serviceByID(p.Snapshot(), 102); st == nil || !st.HasUsage || st.Limit != 1024 {
+		t.Fatalf("usage before: %+v", st)
+	}
+	sim.SetProductType(102, "fpr")
+	if err := p.PollOnce(context.Background(), LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	st := serviceByID(p.Snapshot(), 102)
+	if st.Record.ProductType != "fpr" || st.HasUsage || !st.UsageEmpty || st.Rate != 0 || st.Limit != 0 {
+		t.Errorf("after it became fpr: type %q, has %v, empty %v, rate %g of %g",
+			st.Record.ProductType, st.HasUsage, st.UsageEmpty, st.Rate, st.Limit)
+	}
+}
+
 // The usage loop likewise: service 104's failing rate backs off alone and
 // service 102's rate is read every usage interval. Kick polls every
 // service at once, the one backing off included.

@@ -402,6 +402,13 @@ func (s *Sim) ClearUsage(id int) {
 	s.withService(id, func(sv *service) { sv.noUsage = true })
 }
 
+// SetProductType changes a service's product type ("fpr" or "ppr"), as an
+// upgrade or downgrade to another product does; the list endpoints then
+// answer for the new type, and /api/rate only for "ppr".
+func (s *Sim) SetProductType(id int, typ string) {
+	s.withService(id, func(sv *service) { sv.typ = typ })
+}
+
 // SetServiceStatus sets the status of a service (Active, Pending,
 // Suspended, Terminated, Cancelled, Fraud; other strings are served as
 // given).
