@@ -299,7 +299,7 @@ func ReadSecretFile(path string) (string, error) {
 
 // Client calls the provider API. It is safe for concurrent use.
 type Client struct {
-	base    string   // BaseURL without a trailing slash
+	base    string   // ProviderURL(BaseURL)
 	auth    string   // the whole Authorization header value
 	secrets []string // strings scrubbed from bodies before they reach errors
 	ua      string
@@ -309,9 +309,23 @@ type Client struct {
 	log     *slog.Logger
 }
 
-// BaseURL is the provider's base URL the client asks, without a trailing
-// slash.
+// BaseURL is the provider's base URL the client asks, in ProviderURL's
+// spelling.
 func (c *Client) BaseURL() string { return c.base }
+
+// ProviderURL spells a base URL one way for each provider, so that two
+// spellings of one address compare equal: scheme and host in lower case
+// (neither is case-sensitive), no trailing slash. A URL that does not
+// parse is returned as given, without trailing slashes.
+func ProviderURL(baseURL string) string {
+	s := strings.TrimRight(baseURL, "/")
+	u, err := url.Parse(s)
+	if err != nil {
+		return s
+	}
+	u.Scheme, u.Host = strings.ToLower(u.Scheme), strings.ToLower(u.Host)
+	return u.String()
+}
 
 // New returns a Client for cfg, or cfg's validation error.
 func New(cfg Config) (*Client, error) {
@@ -325,7 +339,7 @@ func New(cfg Config) (*Client, error) {
 		cfg.MaxBody = DefaultMaxBody
 	}
 	c := &Client{
-		base:    strings.TrimRight(cfg.BaseURL, "/"),
+		base:    ProviderURL(cfg.BaseURL),
 		ua:      "proxyd/" + cfg.Version,
 		maxBody: cfg.MaxBody,
 		observe: cfg.Observe,

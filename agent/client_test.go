@@ -414,3 +414,20 @@ func TestTransportErrorScrubbed(t *testing.T) {
 		t.Errorf("decode err = %v", err)
 	}
 }
+
+// ProviderURL spells one address one way: scheme and host in lower case,
+// no trailing slash; the path keeps its case (servers may tell it apart).
+func TestProviderURL(t *testing.T) {
+	for in, want := range map[string]string{
+		"https://api.example-provider.net":       "https://api.example-provider.net",
+		"HTTPS://API.Example-Provider.NET/":      "https://api.example-provider.net",
+		"https://api.example-provider.net//":     "https://api.example-provider.net",
+		"http://127.0.0.1:8080/Prefix/":          "http://127.0.0.1:8080/Prefix",
+		"http://[::1]:8080":                      "http://[::1]:8080",
+		"https://api.example-provider.net/a%2Fb": "https://api.example-provider.net/a%2Fb",
+	} {
+		if got := ProviderURL(in); got != want {
+			t.Errorf("ProviderURL(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

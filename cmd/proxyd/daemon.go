@@ -631,7 +631,7 @@ func (d *daemon) loadState() {
 	d.mu.Lock()
 	cfg, baseURL := d.cfg, d.client.BaseURL()
 	d.mu.Unlock()
-	if st.BaseURL != "" && st.BaseURL != baseURL {
+	if st.BaseURL != "" && agent.ProviderURL(st.BaseURL) != baseURL {
 		// Another provider's upstreams, with its credentials: the new
 		// provider's lists replace them, so they must not stand in for
 		// them meanwhile (a reload that changes the provider swaps the

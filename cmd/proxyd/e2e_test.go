@@ -1209,6 +1209,18 @@ func TestDaemonRestartFromStateFollowsConfig(t *testing.T) {
 		e3.d.Close()
 	}
 
+	// The same provider spelled otherwise (scheme in capitals, a trailing
+	// slash) is not another one.
+	if err := os.WriteFile(filepath.Join(state, stateFileName), file, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	respelled := "HTTP" + strings.TrimPrefix(w.simURL, "http") + "/"
+	e5 := startDaemon(t, w, state, func(c *config) { c.API.BaseURL = respelled })
+	if len(e5.poolState().Upstreams) == 0 || strings.Contains(e5.logs.String(), "another provider") {
+		t.Errorf("the saved pool was not restored under base_url %q:\n%s", respelled, e5.logs.String())
+	}
+	e5.d.Close()
+
 	// Another provider's pool is not served while the new one is silent.
 	e4 := startDaemon(t, w, state, func(c *config) { c.API.BaseURL = "http://" + freeport.Addr(t) })
 	if n := len(e4.poolState().Upstreams); n != 0 {

@@ -47,7 +47,8 @@ type reloadPlan struct {
 // planReload compares two valid configs.
 func planReload(old, next config) reloadPlan {
 	var p reloadPlan
-	p.Provider = old.API.BaseURL != next.API.BaseURL || credentialKeys(old.API) != credentialKeys(next.API)
+	p.Provider = agent.ProviderURL(old.API.BaseURL) != agent.ProviderURL(next.API.BaseURL) ||
+		credentialKeys(old.API) != credentialKeys(next.API)
 	p.API = p.Provider || old.API.Timeout != next.API.Timeout
 	p.Services = !slices.Equal(old.API.Services, next.API.Services)
 	p.Poll = p.Services || !reflect.DeepEqual(pollConfig(old), pollConfig(next)) ||

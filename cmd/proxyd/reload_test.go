@@ -42,6 +42,7 @@ func TestPlanReload(t *testing.T) {
 		{"nothing", func(*config) {}, reloadPlan{}},
 		{"base url", func(c *config) { c.API.BaseURL = "http://other.test" },
 			reloadPlan{API: true, Provider: true}},
+		{"base url respelled", func(c *config) { c.API.BaseURL = strings.ToUpper(c.API.BaseURL) + "/" }, reloadPlan{}},
 		{"token", func(c *config) { c.API.Token = "new" }, reloadPlan{API: true, Provider: true}},
 		{"api timeout", func(c *config) { c.API.Timeout = time.Minute }, reloadPlan{API: true}},
 		{"services", func(c *config) { c.API.Services = []int{7} }, reloadPlan{Poll: true, Services: true}},

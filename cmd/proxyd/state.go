@@ -22,7 +22,8 @@ const stateVersion = 1
 type savedState struct {
 	Version int       `json:"version"`
 	Saved   time.Time `json:"saved"`
-	// BaseURL is the provider the pool's lists last came from (without a
+	// BaseURL is the provider the pool's lists last came from (as
+	// agent.ProviderURL spells it: scheme and host in lower case, no
 	// trailing slash), also after a round in which some service failed: a
 	// restart against another one does not serve the pool (empty, as in
 	// files from before it was kept, or before any list was fetched:
