@@ -50,9 +50,28 @@ func cmdCheck(args []string, io stdio) int {
 			problems = append(problems, e)
 		}
 	}
-	if _, _, err := cfg.API.ResolveCredential(io.getenv); err != nil {
+	_, src, err := cfg.API.ResolveCredential(io.getenv)
+	if err != nil {
 		for _, e := range sectionProblems("api", err) { // the key with its section, as the file writes it
 			report(keyError{Key: e.Key, Msg: e.Msg, err: err})
+		}
+	}
+	if src == agent.SourceEnv {
+		// Here the environment's token wins; where run has none (a unit
+		// without the variable) it reads the file's credential, and
+		// refuses an unusable one. Said as a warning: with the
+		// variable, run uses it as check did.
+		without := func(k string) string {
+			if k == agent.TokenEnv {
+				return ""
+			}
+			return io.getenv(k)
+		}
+		if _, _, err := cfg.API.ResolveCredential(without); err != nil && !errors.Is(err, agent.ErrNoCredential) {
+			for _, e := range sectionProblems("api", err) {
+				fmt.Fprintf(io.err, "%s: warning: %v (the environment's %s hides this here; run refuses it where the variable is not set)\n",
+					*path, keyError{Key: e.Key, Msg: e.Msg}, agent.TokenEnv)
+			}
 		}
 	}
 	if f := cfg.Admin.TokenFile; f != "" {

@@ -507,6 +507,19 @@ func TestCheckCommand(t *testing.T) {
 			t.Errorf("%s unusable: exit %d\n%s", tt.name, code, out)
 		}
 	}
+	// PROXYD_API_TOKEN in check's environment wins as it does for run; a
+	// token_file that run would refuse without the variable (a unit that
+	// does not set it) is still said, as a warning.
+	os.WriteFile(path, []byte("[api]\ntoken_file = \""+twoLines+"\"\n"), 0o600)
+	{
+		var out, errb strings.Builder
+		env := map[string]string{"PROXYD_API_TOKEN": "from-env"}
+		code := runMain(context.Background(), []string{"check", "-config", path}, stdio{out: &out, err: &errb, getenv: func(k string) string { return env[k] }})
+		if code != 0 || !strings.Contains(errb.String(), "c.toml: warning: api.token_file: reading "+twoLines+": more than one line") ||
+			!strings.Contains(errb.String(), "PROXYD_API_TOKEN hides this here") {
+			t.Errorf("token_file hidden by PROXYD_API_TOKEN: exit %d\n%s%s", code, out.String(), errb.String())
+		}
+	}
 	// A credential from the environment or systemd is named as such, not
 	// as a key of [api] the file does not have.
 	credDir := t.TempDir()
