@@ -176,9 +176,16 @@ func (p *Poller) requestList(ctx context.Context, client *Client, provider uint6
 	_, err := client.UpdateService(ctx, id, ServiceUpdate{UpdateList: true})
 	p.beat(LoopStatus)
 	limit := p.rateLimited(err)
+	var unread *DecodeError // a 2xx answer whose body is not the documented object
 	switch {
-	case err == nil:
-		p.log.Info("new IP list requested", "service", id)
+	case err == nil || errors.As(err, &unread):
+		// The status says the provider took the request; a body it
+		// words otherwise does not undo the new list.
+		if unread != nil {
+			p.log.Warn("new IP list requested; the provider's answer could not be read", "service", id, "err", err)
+		} else {
+			p.log.Info("new IP list requested", "service", id)
+		}
 		p.pollNewList(ctx, id)
 		p.changed()
 		p.event(Event{Kind: EventListUpdated, Service: id, Result: ResultOK, Reason: "the provider replaced the IP list"})

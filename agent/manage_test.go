@@ -143,6 +143,43 @@ func TestManageRequestsListWhenShareHeld(t *testing.T) {
 	}
 }
 
+// A 2xx answer to the list update whose body is not the documented object
+// (a bare true, a plain-text "OK") still means the provider replaced the
+// list: the new one is fetched at once, and it is no failure.
+func TestManageUnreadableSuccessIsSuccess(t *testing.T) {
+	for _, body := range []string{"true", "OK", `"IP list updated successfully"`} {
+		t.Run(body, func(t *testing.T) {
+			clock := newFakeClock()
+			var sim *providersim.Sim
+			p, sim, events := managedPoller(t, clock, time.Minute, func(w http.ResponseWriter, r *http.Request) bool {
+				if r.Method != http.MethodPut {
+					return false
+				}
+				rec := httptest.NewRecorder()
+				sim.ServeHTTP(rec, r) // the provider does the update
+				if rec.Code != http.StatusOK {
+					t.Errorf("the simulator answered the update with %d: %s", rec.Code, rec.Body)
+				}
+				w.Write([]byte(body))
+				return true
+			})
+			sim.MarkErrored(101, "10.0.0.1")
+			sim.MarkInactive(101, "10.0.0.2")
+			statusRound(t, p)
+			sim.SetEntries(101, "http-auth", []providersim.Entry{{Host: "10.0.9.1", Port: 8080, Login: "u", Password: "p"},
+				{Host: "10.0.9.2", Port: 8080, Login: "u", Password: "p"}, {Host: "10.0.9.3", Port: 8080, Login: "u", Password: "p"}})
+			clock.Advance(10 * time.Minute)
+			statusRound(t, p)
+			if got, want := events.kinds(), []string{EventListUpdateRequested + "/", EventListUpdated + "/" + ResultOK}; !slices.Equal(got, want) {
+				t.Fatalf("events %v, want %v", got, want)
+			}
+			if got := serviceByID(p.Snapshot(), 101).Lists["http-auth"]; len(got) != 3 || got[0].Host != "10.0.9.1" {
+				t.Errorf("list after the update: %+v", got)
+			}
+		})
+	}
+}
+
 // A 429 defers the next request until the time it names (and never more
 // than once per update_list_after); errors are reported too.
 func TestManageHonoursRateLimit(t *testing.T) {
