@@ -704,11 +704,28 @@ func (p *Poller) wake(l Loop) {
 	}
 }
 
-// Seed tells the poller the sizes of the lists the daemon serves from its
-// saved state, so that the first poll after a restart gets the same
-// shrink confirmation as any later one. Keys are "<service>/<list type>"
-// and "<service>/sticky".
-func (p *Poller) Seed(sizes map[string]int) {
+// Seed tells the poller the upstreams the daemon serves from its saved
+// state, so that the first poll after a restart gets the same shrink
+// confirmation as any later one: the sizes of the lists and sticky session
+// lists they came from, and the number of services.
+func (p *Poller) Seed(ups []UpstreamSpec) {
+	sizes := map[string]int{}
+	services := map[int]bool{}
+	sessions := map[[2]string]bool{} // a session is one upstream per protocol
+	for _, u := range ups {
+		services[u.Service] = true
+		switch {
+		case u.Session != "":
+			key := sizeKey(u.Service, stickyList)
+			if !sessions[[2]string{key, u.Session}] {
+				sessions[[2]string{key, u.Session}] = true
+				sizes[key]++
+			}
+		case listType(u.Kind, u.Protocol) != "":
+			sizes[sizeKey(u.Service, listType(u.Kind, u.Protocol))]++
+		}
+	}
+	sizes[serviceListKey] = len(services)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for k, n := range sizes {
@@ -1015,18 +1032,8 @@ func (p *Poller) pollAccount(ctx context.Context, r roundStart) error {
 func listTypes(cfg PollConfig, id int, kind string) []string {
 	var types []string
 	for _, proto := range []string{"http", "socks5"} {
-		if cfg.Draws != nil && !cfg.Draws(id, kind, proto) {
-			continue
-		}
-		switch {
-		case kind == "ppr" && proto == "http":
-			types = append(types, "ppr-http")
-		case kind == "ppr":
-			types = append(types, "ppr-socks")
-		case proto == "http":
-			types = append(types, "http-auth")
-		default:
-			types = append(types, "socks-ip")
+		if cfg.Draws == nil || cfg.Draws(id, kind, proto) {
+			types = append(types, listType(kind, proto))
 		}
 	}
 	return types
@@ -1146,7 +1153,7 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 		return false
 	}
 	for typ, l := range lists {
-		if take(fmt.Sprintf("%d/%s", id, typ), "IP list", len(l)) {
+		if take(sizeKey(id, typ), "IP list", len(l)) {
 			st.Lists[typ] = l
 		}
 	}
@@ -1160,18 +1167,18 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	for typ := range listProtocol { // every type, also one seeded from the state file alone
 		if !slices.Contains(wanted, typ) {
 			delete(st.Lists, typ)
-			gone = append(gone, fmt.Sprintf("%d/%s", id, typ))
+			gone = append(gone, sizeKey(id, typ))
 		}
 	}
 	if !wantSticky {
 		st.Sticky = nil
-		gone = append(gone, fmt.Sprintf("%d/sticky", id))
+		gone = append(gone, sizeKey(id, stickyList))
 	}
 	if len(gone) > 0 {
 		p.forgetSizes(func(key string) bool { return slices.Contains(gone, key) })
 	}
 	if stickyOK && wantSticky {
-		if take(fmt.Sprintf("%d/sticky", id), "sticky session list", len(sticky)) {
+		if take(sizeKey(id, stickyList), "sticky session list", len(sticky)) {
 			st.Sticky = sticky
 		}
 	}
@@ -1225,8 +1232,16 @@ func (p *Poller) fetchList(ctx context.Context, owner Loop, client *Client, id i
 	return nil, fetchErr
 }
 
-// serviceListKey is the confirm key of the account's service list.
+// serviceListKey is the confirm key of the account's service list; a
+// service's lists have sizeKey's.
 const serviceListKey = "services"
+
+// stickyList stands for a service's sticky session list in sizeKey.
+const stickyList = "sticky"
+
+// sizeKey is the confirm key of service id's list: an IP list type or
+// stickyList.
+func sizeKey(id int, list string) string { return strconv.Itoa(id) + "/" + list }
 
 // pendingList is a small list awaiting confirmation: its size, and when
 // the round that brought it began.

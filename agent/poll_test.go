@@ -440,6 +440,36 @@ func rotateRateLimited(err error) bool {
 	return errors.As(err, &rl) && rl.RateLimited()
 }
 
+// restored is n upstreams of service id as a state file gives them back:
+// from kind's list for protocol, or (sessions) one per sticky session.
+func restored(id int, kind, protocol string, n int, sessions bool) []UpstreamSpec {
+	var ups []UpstreamSpec
+	for i := range n {
+		u := UpstreamSpec{Service: id, Kind: kind, Protocol: protocol, Address: fmt.Sprintf("10.0.0.%d:8080", i+1)}
+		if sessions {
+			u.Session = fmt.Sprintf("s%d", i)
+		}
+		ups = append(ups, u)
+	}
+	return ups
+}
+
+// Seed counts what the saved upstreams came from: each list type, each
+// service's sessions once whatever the protocols, and the services.
+func TestPollerSeedCountsWhatUpstreamsCameFrom(t *testing.T) {
+	p, _, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) { c.Services = []int{101, 104} }))
+	ups := slices.Concat(restored(101, "fpr", "http", 3, false), restored(101, "fpr", "socks5", 2, false),
+		restored(104, "ppr", "http", 2, true), restored(104, "ppr", "socks5", 2, true), restored(104, "ppr", "socks5", 1, false))
+	p.Seed(ups)
+	p.mu.Lock()
+	got := maps.Clone(p.lastGood)
+	p.mu.Unlock()
+	want := map[string]int{"101/http-auth": 3, "101/socks-ip": 2, "104/sticky": 2, "104/ppr-socks": 1, "services": 2}
+	if !maps.Equal(got, want) {
+		t.Errorf("seeded %v, want %v", got, want)
+	}
+}
+
 // After a restart the daemon seeds the sizes it serves from its state: an
 // empty or much smaller first list then needs confirmation like any other.
 func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
@@ -447,7 +477,7 @@ func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
 	p, sim, _ := newPollerForTest(t, pollConfig(func(c *PollConfig) {
 		c.Services, c.Draws, c.Now = []int{101}, drawn("http"), clock.Now
 	}))
-	p.Seed(map[string]int{"101/http-auth": 3})
+	p.Seed(restored(101, "fpr", "http", 3, false))
 	sim.SetEntries(101, "http-auth", nil)
 	ctx := context.Background()
 	if err := p.PollOnce(ctx, LoopAccount); err != nil {
@@ -997,7 +1027,7 @@ func TestPollerConfirmsFirstEmptyListSoon(t *testing.T) {
 	}
 
 	q, clock, requests := newPoller()
-	q.Seed(map[string]int{"104/sticky": 2})
+	q.Seed(restored(104, "ppr", "http", 2, true))
 	q.round(context.Background(), LoopLists, true) // at 0s
 	if serviceByID(q.Snapshot(), 104).ListsKnown {
 		t.Fatal("an empty sticky list replaced the saved sessions without confirmation")

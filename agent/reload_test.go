@@ -301,7 +301,7 @@ func TestPollerSeededSizesOfUnservedServiceForgotten(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101, 102} })
 			p, sim, _ := newPollerForTest(t, cfg)
-			p.Seed(map[string]int{"101/http-auth": 3, "101/socks-ip": 3}) // as restored at a restart
+			p.Seed(slices.Concat(restored(101, "fpr", "http", 3, false), restored(101, "fpr", "socks5", 3, false))) // as restored at a restart
 			tt.leave(t, p, sim, cfg)
 			if serviceByID(p.Snapshot(), 101) != nil {
 				t.Fatal("service 101 still served")

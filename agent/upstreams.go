@@ -45,8 +45,30 @@ const (
 	MatchSingle = "single" // the list's only entry for the record's server
 )
 
+// listTypeOf names the IP list type that gives a kind's upstreams of a
+// protocol: the one table of which list feeds what.
+var listTypeOf = map[[2]string]string{
+	{"fpr", "http"}: "http-auth", {"fpr", "socks5"}: "socks-ip",
+	{"ppr", "http"}: "ppr-http", {"ppr", "socks5"}: "ppr-socks",
+}
+
+// listType is the IP list type of kind's upstreams of protocol; a kind
+// other than ppr takes fpr's lists.
+func listType(kind, protocol string) string {
+	if kind != "ppr" {
+		kind = "fpr"
+	}
+	return listTypeOf[[2]string{kind, protocol}]
+}
+
 // listProtocol maps each IP list type to the protocol its entries speak.
-var listProtocol = map[string]string{"http-auth": "http", "socks-ip": "socks5", "ppr-http": "http", "ppr-socks": "socks5"}
+var listProtocol = func() map[string]string {
+	m := make(map[string]string, len(listTypeOf))
+	for kp, typ := range listTypeOf {
+		m[typ] = kp[1]
+	}
+	return m
+}()
 
 // Upstreams derives the dialable upstreams of one service. Which list
 // feeds which protocol: fpr http from http-auth (credentials from each line,

@@ -650,8 +650,10 @@ func (d *daemon) loadState() {
 	})
 	maps.DeleteFunc(st.Status, func(id int, _ savedStatus) bool { return !pc.Serves(id) })
 	maps.DeleteFunc(st.Usage, func(id int, _ pool.ServiceUsage) bool { return !pc.Serves(id) })
+	specs := make([]agent.UpstreamSpec, 0, len(st.Upstreams))
 	ups := make([]pool.Upstream, 0, len(st.Upstreams))
 	for _, u := range st.Upstreams {
+		specs = append(specs, agent.UpstreamSpec(u))
 		ups = append(ups, poolUpstream(agent.UpstreamSpec(u)))
 	}
 	d.pool.Update(ups)
@@ -664,40 +666,12 @@ func (d *daemon) loadState() {
 		d.metrics.SetUsage(id, u.Rate, u.Limit)
 	}
 	d.lastSaved = stateKey(st)
-	d.poller.Seed(seedSizes(st))
+	d.poller.Seed(specs)
 	d.fetched = cmp.Or(st.Fetched, st.Saved) // a file from before "fetched" was kept
 	d.fetchedAt = st.BaseURL
 	d.metrics.SetStateTime(d.fetched)
 	d.metrics.PoolUpdated(st.Saved)
 	d.log.Info("serving the saved pool until the provider API answers", "upstreams", len(ups), "saved", st.Saved.Format(time.RFC3339))
-}
-
-// seedSizes are the list sizes the saved pool was built from, for the
-// poller's shrink confirmation after a restart.
-func seedSizes(st *savedState) map[string]int {
-	listType := map[string]string{"fpr/http": "http-auth", "fpr/socks5": "socks-ip", "ppr/http": "ppr-http", "ppr/socks5": "ppr-socks"}
-	type session struct {
-		service int
-		id      string
-	}
-	sizes := map[string]int{}
-	services := map[int]bool{}
-	sessions := map[session]bool{} // a session is one upstream per protocol
-	for _, u := range st.Upstreams {
-		services[u.Service] = true
-		if u.Session != "" {
-			sessions[session{u.Service, u.Session}] = true
-			continue
-		}
-		if typ := listType[u.Kind+"/"+u.Protocol]; typ != "" {
-			sizes[fmt.Sprintf("%d/%s", u.Service, typ)]++
-		}
-	}
-	for s := range sessions {
-		sizes[fmt.Sprintf("%d/sticky", s.service)]++
-	}
-	sizes["services"] = len(services)
-	return sizes
 }
 
 func listenerNames(ls []listenerConfig) []string {
