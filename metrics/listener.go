@@ -48,6 +48,14 @@ type dialHistogram struct {
 	sumNanos atomic.Uint64
 }
 
+// add adds o's counts to h.
+func (h *dialHistogram) add(o *dialHistogram) {
+	for i := range o.buckets {
+		h.buckets[i].Add(o.buckets[i].Load())
+	}
+	h.sumNanos.Add(o.sumNanos.Load())
+}
+
 var _ forward.Observer = (*listenerObserver)(nil)
 
 func (l *listenerObserver) Opened() { l.opened.Add(1) }
@@ -137,17 +145,23 @@ func (l *listenerObserver) active() uint64 {
 // alike: a scrape only reads, and a retired listener's series go only when
 // main says its incarnation is gone (Metrics.ListenerGone).
 func (c *connCollector) Collect(ch chan<- prometheus.Metric) {
+	var (
+		counts [len(dialProtocols)][len(dialBounds) + 1]uint64
+		sums   [len(dialProtocols)]uint64
+	)
 	c.m.mu.Lock()
 	ls := make([]*listenerObserver, 0, len(c.m.listeners))
 	for _, l := range c.m.listeners {
 		ls = append(ls, l)
 	}
+	for p := range c.m.dialGone { // read with the map: a forgotten listener counts here or there, once
+		for i := range c.m.dialGone[p].buckets {
+			counts[p][i] = c.m.dialGone[p].buckets[i].Load()
+		}
+		sums[p] = c.m.dialGone[p].sumNanos.Load()
+	}
 	c.m.mu.Unlock()
 
-	var (
-		counts [len(dialProtocols)][len(dialBounds) + 1]uint64
-		sums   [len(dialProtocols)]uint64
-	)
 	for _, l := range ls {
 		for o := range forward.NumOutcomes {
 			ch <- prometheus.MustNewConstMetric(c.connections, prometheus.CounterValue, float64(l.results[o].Load()), l.name, o.String())

@@ -139,8 +139,12 @@ type Metrics struct {
 	// map is replaced, never changed, by SetServices under mu.
 	services atomic.Pointer[map[int]*serviceCounters]
 
-	mu         sync.Mutex
-	listeners  map[string]*listenerObserver // current ones, and retired ones until ListenerGone
+	mu        sync.Mutex
+	listeners map[string]*listenerObserver // current ones, and retired ones until ListenerGone
+	// dialGone holds the dials of the listeners ListenerGone forgot:
+	// proxyd_upstream_dial_seconds has no listener label, so its totals
+	// keep them, or the histogram would go down (guarded by mu).
+	dialGone   [len(dialProtocols)]dialHistogram
 	account    Account
 	poolSource func() pool.Explanation
 }
@@ -330,6 +334,9 @@ func (m *Metrics) ListenerGone(name string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if l, ok := m.listeners[name]; ok && l.retired && l.active() == 0 {
+		for p := range l.dial {
+			m.dialGone[p].add(&l.dial[p])
+		}
 		delete(m.listeners, name)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -512,6 +513,53 @@ proxyd_connections_active{listener="socks5"} 0
 	m.ListenerGone("socks")
 	if got := sumSeries(t, reg, "proxyd_bytes_total"); got != 2 {
 		t.Errorf("bytes of a current listener after ListenerGone: %g, want 2", got)
+	}
+}
+
+// proxyd_upstream_dial_seconds has no listener label: the dials of a
+// listener that a reload removed stay in it once the listener's own series
+// go, or the histogram would go down and read as a reset.
+func TestDialHistogramKeepsForgottenListeners(t *testing.T) {
+	reg, m := newTestMetrics(t) // listeners http, socks
+	socks := m.Listener("socks")
+	for range 5 {
+		socks.Opened()
+		socks.Dialed(pool.HTTP, 30*time.Millisecond)
+		socks.Closed(forward.OutcomeOK, 1, 1, 0)
+	}
+	m.Listener("http").Dialed(pool.HTTP, 2*time.Second)
+	count := func() (n, sum float64) {
+		t.Helper()
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() != "proxyd_upstream_dial_seconds" {
+				continue
+			}
+			for _, s := range mf.GetMetric() {
+				if s.GetLabel()[0].GetValue() == "http" {
+					h := s.GetHistogram()
+					return float64(h.GetSampleCount()), h.GetSampleSum()
+				}
+			}
+		}
+		t.Fatal("no proxyd_upstream_dial_seconds{protocol=\"http\"}")
+		return 0, 0
+	}
+	n0, sum0 := count()
+	m.SetListeners([]string{"http"})
+	m.ListenerGone("socks")
+	if n, sum := count(); n != 6 || n0 != 6 || math.Abs(sum-sum0) > 1e-9 {
+		t.Errorf("dial count %g (sum %g) after socks was forgotten, %g (sum %g) before", n, sum, n0, sum0)
+	}
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP proxyd_connections_active Client connections open now, by listener.
+# TYPE proxyd_connections_active gauge
+proxyd_connections_active{listener="http"} 0
+`), "proxyd_connections_active"); err != nil {
+		t.Errorf("the forgotten listener's own series: %v", err)
 	}
 }
 
