@@ -227,6 +227,26 @@ func stripHop(h http.Header, keepUpgrade bool) {
 	}
 }
 
+// idleBody is the body of an origin's answer read straight from conn, which
+// is not kept: each read is bounded by idle_timeout (a destination that
+// stalls its body ends the answer; the client has what came before, which
+// is flushed before a read that may wait), and Close closes conn instead
+// of reading the rest.
+type idleBody struct {
+	io.Reader
+	conn  net.Conn
+	idle  time.Duration
+	flush func()
+}
+
+func (b *idleBody) Read(p []byte) (int, error) {
+	b.flush()
+	_ = b.conn.SetReadDeadline(time.Now().Add(b.idle))
+	return b.Reader.Read(p)
+}
+
+func (b *idleBody) Close() error { return b.conn.Close() }
+
 // isUpgrade reports a request asking for a protocol upgrade.
 func isUpgrade(h http.Header) bool {
 	if len(h.Values("Upgrade")) == 0 {
@@ -306,10 +326,18 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 	}
 	_ = upc.SetDeadline(time.Time{})
 	if resp.StatusCode != http.StatusSwitchingProtocols {
-		// No upgrade: pass the answer on and close this origin connection.
+		// No upgrade: pass the answer on, as a plain request's (its
+		// outcome too; a client that stalls the copy makes it the
+		// client's), and close this origin connection.
 		stripHop(resp.Header, false)
+		if failureStatus(resp.StatusCode) {
+			cc.setOutcome(OutcomeDestinationError)
+		} else {
+			cc.setOutcome(OutcomeOK)
+		}
+		resp.Body = &idleBody{Reader: resp.Body, conn: upc, idle: l.cfg.IdleTimeout, flush: hc.flush}
 		keep := hc.writeAnswer(req, body, resp)
-		fail2(OutcomeOK)
+		l.release(up, key) // writeAnswer closed upc
 		return keep
 	}
 	pending := bufferedCopy(hc.br)

@@ -472,3 +472,64 @@ func TestUpgradeOriginFailsIsTheDestinations(t *testing.T) {
 		})
 	}
 }
+
+// An origin that answers an upgrade without 101 gets its answer passed on
+// as a plain request's: a body that stalls is cut after idle_timeout (the
+// client has what came before, and the connection ends, since the answer
+// is broken), the pick is released, and a 5xx counts as the destination's.
+func TestUpgradeRefusedAnswerIsBounded(t *testing.T) {
+	checkLeaks(t)
+	for _, tc := range []struct {
+		name, answer, want string
+		outcome            Outcome
+	}{
+		{"stalled body", "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc", "abc", OutcomeOK},
+		{"503", "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy", "busy", OutcomeDestinationError},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			origin := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+				br := bufio.NewReader(c)
+				if _, err := http.ReadRequest(br); err != nil {
+					return
+				}
+				_, _ = io.WriteString(c, tc.answer)
+				_, _ = io.Copy(io.Discard, br) // until proxyd closes
+			})
+			u := newHTTPUpstream(t, "", "", nil)
+			p := newFakePool(u.upstream(1))
+			const idle = 300 * time.Millisecond
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.AllowDestinations = loopbackAllowed
+				c.IdleTimeout = idle
+				c.ResponseTimeout = 30 * time.Second
+			}), p)
+			start := time.Now()
+			c := askUpgrade(t, tl.addr, origin)
+			defer c.Close()
+			br := bufio.NewReader(c)
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			got, _ := io.ReadAll(resp.Body)
+			if string(got) != tc.want {
+				t.Errorf("body %q, want %q", got, tc.want)
+			}
+			if tc.name == "stalled body" {
+				if _, err := br.ReadByte(); err != io.EOF {
+					t.Errorf("after the stalled body: %v, want the connection closed", err)
+				}
+				if took := time.Since(start); took > 10*idle {
+					t.Errorf("the stalled answer ended after %s; idle_timeout is %s", took, idle)
+				}
+			}
+			_ = c.Close()
+			waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the connection counted")
+			if o := tl.obs.Closeds()[0].o; o != tc.outcome {
+				t.Errorf("outcome %s, want %s", o, tc.outcome)
+			}
+			p.waitBalanced(t)
+		})
+	}
+}
