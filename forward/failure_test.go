@@ -878,3 +878,31 @@ func TestKeptConnectionReportsNoLatency(t *testing.T) {
 		t.Errorf("the upstream accepted %d connections, want 1 (the second request on the kept one)", a)
 	}
 }
+
+// X-Squid-Error marks an HTTP upstream's own error page, which Squid sends
+// with a 4xx or 5xx status only. A destination's successful answer that
+// carries the header (a site behind a Squid of its own) is the
+// destination's: passed on, and the upstream's success.
+func TestDestinationSquidHeaderOnSuccessPasses(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Squid-Error", "ERR_INVALID_URL 0") // left over by the site's own proxy
+		_, _ = io.WriteString(w, "the site's page")
+	}))
+	u := newHTTPUpstream(t, "", "", nil).upstream(1)
+	p := newFakePool(u, newHTTPUpstream(t, "", "", nil).upstream(2))
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	resp, err := tl.httpClient(t, "", "").Get("http://" + origin + "/x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || string(b) != "the site's page" {
+		t.Errorf("client got %d %q, want the destination's 200", resp.StatusCode, b)
+	}
+	p.waitBalanced(t)
+	if r := p.Reports(); len(r) != 1 || r[0].res != pool.Success {
+		t.Errorf("reports %+v, want one success", r)
+	}
+}
