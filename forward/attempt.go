@@ -55,7 +55,9 @@ const (
 	// response_timeout.
 	wResponseTimeout
 	// wSilent: as wResponseTimeout, and the upstream answered nothing at
-	// all in that time while other upstreams of the listener answered.
+	// all in that time while other upstreams of the listener answered;
+	// only where the upstream itself relays the head (an "http://" request
+	// through an HTTP upstream), never through a tunnel it opened.
 	wSilent
 	// wOutrun: the hedge's head from the destination came within
 	// hedge_delay of the hedge being sent, while this attempt had none.
@@ -259,6 +261,11 @@ type tryResult struct {
 	// took is how long the attempt took (dial and handshake when it dialed).
 	took   time.Duration
 	dialed bool // a new upstream connection was opened and answered
+	// tunneled: a plain request went through a tunnel to the destination
+	// (a SOCKS5 upstream, or CONNECT for "https://"), which the upstream
+	// answered when it opened it: a head that does not come is the
+	// destination's, whatever other upstreams answered meanwhile.
+	tunneled bool
 }
 
 // discard frees what a result holds: it lost, or failed late.
@@ -604,7 +611,7 @@ func (lp *loop) settle(t *try) {
 		if w, ok := loopCause(t.ctx); ok && t.ctx.Err() != nil {
 			r.h = happened{what: w}
 		}
-		if r.h.what == wResponseTimeout && l.answers.silent(t.up.ID(), t.start) {
+		if r.h.what == wResponseTimeout && !r.tunneled && l.answers.silent(t.up.ID(), t.start) {
 			r.h.what = wSilent
 		}
 	}

@@ -3,11 +3,13 @@ package forward
 import (
 	"bufio"
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"syscall"
@@ -904,5 +906,72 @@ func TestDestinationSquidHeaderOnSuccessPasses(t *testing.T) {
 	p.waitBalanced(t)
 	if r := p.Reports(); len(r) != 1 || r[0].res != pool.Success {
 		t.Errorf("reports %+v, want one success", r)
+	}
+}
+
+// A plain request carried by a tunnel the upstream opened (a SOCKS5
+// upstream, here over a kept connection; CONNECT for an "https://"
+// request) whose destination answers after response_timeout is the
+// destination's: the upstream answered when it opened the tunnel, so
+// other upstreams answering meanwhile do not make it silent.
+func TestTunneledSlowDestinationBlamesNoUpstream(t *testing.T) {
+	checkLeaks(t)
+	arrived := make(chan struct{}, 1)
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			arrived <- struct{}{}
+			<-r.Context().Done() // past response_timeout: proxyd gives up first
+			return
+		}
+		_, _ = io.WriteString(w, "ok")
+	})
+	plainOrigin, _ := startOrigin(t, handler)
+	tlsOrigin := httptest.NewTLSServer(handler)
+	t.Cleanup(tlsOrigin.Close)
+	roots := x509.NewCertPool()
+	roots.AddCert(tlsOrigin.Certificate())
+	for _, tc := range []struct {
+		name string
+		up   func(i int) *pool.Upstream
+		base string
+	}{
+		{"SOCKS5 kept connection", func(i int) *pool.Upstream { return newSOCKSUpstream(t, "", "", nil).upstream(i) }, "http://" + plainOrigin},
+		{"CONNECT for https", func(i int) *pool.Upstream { return newHTTPUpstream(t, "", "", nil).upstream(i) }, tlsOrigin.URL},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			u1, u2 := tc.up(1), tc.up(2)
+			p := newFakePool(u1, u2) // round-robin: u1, u2, u1, u2
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.AllowDestinations = loopbackAllowed
+				c.RootCAs = roots
+				c.ResponseTimeout = 500 * time.Millisecond
+			}), p)
+			get := func(path string) int {
+				t.Helper()
+				host := strings.TrimPrefix(strings.TrimPrefix(tc.base, "http://"), "https://")
+				resp := rawRequest(t, tl.addr, "GET "+tc.base+path+" HTTP/1.1\r\nHost: "+host+"\r\nConnection: close\r\n\r\n")
+				if resp == nil {
+					t.Fatalf("GET %s: no answer", path)
+				}
+				_, _ = io.ReadAll(resp.Body)
+				resp.Body.Close()
+				return resp.StatusCode
+			}
+			get("/fast") // u1 dials (and keeps the connection where it can)
+			get("/fast") // u2
+			slow := make(chan int, 1)
+			go func() { slow <- get("/slow") }() // u1
+			awaitSignal(t, arrived, "the slow request at the destination")
+			get("/fast") // u2 answers while u1's head is awaited
+			if code := <-slow; code != http.StatusGatewayTimeout {
+				t.Errorf("slow request: %d, want 504", code)
+			}
+			p.waitBalanced(t)
+			for _, r := range p.Reports() {
+				if r.res != pool.Success && r.res != pool.DestinationError {
+					t.Errorf("report %s %s: a slow destination behind a tunnel blamed on the upstream", r.id, r.res)
+				}
+			}
+		})
 	}
 }

@@ -467,7 +467,7 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 	// took is dial + handshake (the pool's latency average): known only
 	// when this attempt dialed. On a kept connection the wait is for the
 	// destination's answer, which says nothing of the upstream.
-	r := tryResult{err: err}
+	r := tryResult{err: err, tunneled: !viaProxy}
 	sent := false // the request may have reached the destination
 	aerr, dialed, dialTook := info.get()
 	if dialed {
