@@ -201,20 +201,23 @@ func parseConfig(text string) (config, error) {
 		// (A listener key that is not an array was said so already.)
 		d.fail("listener", "no listener: remove the key for the two default listeners, or add a [[listener]]")
 	}
+	errs := configErrors(d.errs)
+	// The keys whose validation is not said: one that could not be
+	// decoded holds its default, and saying it is also invalid would only
+	// repeat the problem; an upstream the file does not write takes the
+	// protocol's value, whose own check speaks for it.
+	quiet := make(map[string]bool, len(d.errs))
+	for _, e := range d.errs {
+		quiet[e.Key] = true
+	}
 	for i := range cfg.Listener {
-		if !d.written[fmt.Sprintf("listener[%d].upstream", i)] {
+		if key := fmt.Sprintf("listener[%d].upstream", i); !d.written[key] {
 			cfg.Listener[i].Upstream = cfg.Listener[i].Protocol // a listener dials its own protocol unless told
+			quiet[key] = true
 		}
 	}
-	errs := configErrors(d.errs)
-	// A key that could not be decoded holds its default; saying it is
-	// also invalid would only repeat the problem.
-	bad := make(map[string]bool, len(d.errs))
-	for _, e := range d.errs {
-		bad[e.Key] = true
-	}
 	for _, e := range cfg.validate() {
-		if !bad[e.Key] {
+		if !quiet[e.Key] {
 			errs = append(errs, e)
 		}
 	}
