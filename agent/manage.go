@@ -186,9 +186,11 @@ func (p *Poller) requestList(ctx context.Context, client *Client, provider uint6
 		} else {
 			p.log.Info("new IP list requested", "service", id)
 		}
+		// Said before the new list is fetched: what that changes in the
+		// pool follows its cause in the event log.
+		p.event(Event{Kind: EventListUpdated, Service: id, Result: ResultOK, Reason: "the provider replaced the IP list"})
 		p.pollNewList(ctx, id)
 		p.changed()
-		p.event(Event{Kind: EventListUpdated, Service: id, Result: ResultOK, Reason: "the provider replaced the IP list"})
 	case limit.ok:
 		p.mu.Lock()
 		// A reload meanwhile keeps it; a new provider does not.

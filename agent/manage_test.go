@@ -36,9 +36,18 @@ func newFakeClock() *fakeClock {
 type eventLog struct {
 	mu     sync.Mutex
 	events []Event
+	onAdd  func(Event) // when set, called with each event as the poller sends it
 }
 
-func (l *eventLog) add(e Event) { l.mu.Lock(); l.events = append(l.events, e); l.mu.Unlock() }
+func (l *eventLog) add(e Event) {
+	l.mu.Lock()
+	l.events = append(l.events, e)
+	f := l.onAdd
+	l.mu.Unlock()
+	if f != nil {
+		f(e)
+	}
+}
 
 // kinds lists "kind/result" of every event so far.
 func (l *eventLog) kinds() []string {
@@ -120,8 +129,19 @@ func TestManageRequestsListWhenShareHeld(t *testing.T) {
 	fresh := []providersim.Entry{{Host: "10.0.9.1", Port: 8080, Login: "u", Password: "p"}, {Host: "10.0.9.2", Port: 8080, Login: "u", Password: "p"}, {Host: "10.0.9.3", Port: 8080, Login: "u", Password: "p"}}
 	sim.SetEntries(101, "http-auth", fresh)
 	listsBefore := sim.Requests(RouteIPList)
+	// list_updated comes before the new list is in: what the new list
+	// changes in the pool follows its cause in the event log.
+	var atEvent []Entry
+	events.onAdd = func(e Event) {
+		if e.Kind == EventListUpdated {
+			atEvent = serviceByID(p.Snapshot(), 101).Lists["http-auth"]
+		}
+	}
 	clock.Advance(time.Second)
 	statusRound(t, p)
+	if len(atEvent) == 0 || atEvent[0].Host != "10.0.0.1" {
+		t.Errorf("the list when list_updated was sent: %+v, want the old one", atEvent)
+	}
 	if got, want := events.kinds(), []string{EventListUpdateRequested + "/", EventListUpdated + "/" + ResultOK}; !slices.Equal(got, want) {
 		t.Fatalf("events %v, want %v", got, want)
 	}
