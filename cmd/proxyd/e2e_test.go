@@ -1265,6 +1265,14 @@ func TestDaemonReloadNarrowsServicesAPIDown(t *testing.T) {
 			if _, body := e.admin("/metrics"); strings.Contains(body, `proxyd_usage_limit{service="102"}`) {
 				t.Errorf("the dropped service's usage gauges remain:\n%s", grepLines(body, "proxyd_usage"))
 			}
+			// The reload comes before what it caused in the event log
+			// (which lists the newest first).
+			evs := e.d.events.Events(pool.EventFilter{})
+			reload := slices.IndexFunc(evs, func(ev pool.Event) bool { return ev.Kind == pool.EventReload })
+			removed := slices.IndexFunc(evs, func(ev pool.Event) bool { return ev.Kind == pool.EventRemoved && ev.Service == demoPPR })
+			if reload < 0 || removed < 0 || removed > reload {
+				t.Errorf("events newest first: reload at %d, the first removal it caused at %d; want the reload older", reload, removed)
+			}
 		})
 	}
 }

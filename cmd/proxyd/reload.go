@@ -239,15 +239,22 @@ func (d *daemon) applyConfig(next config) error {
 		p.abandon()
 		return errors.New("not reloading: proxyd is starting or stopping")
 	}
+	finishListeners := func() {}
 	if plan.Listeners {
-		if err := d.swapListeners(next, p.sockets); err != nil {
+		finish, err := d.swapListeners(next, p.sockets)
+		if err != nil {
 			d.mu.Unlock()
 			p.abandon()
 			return err
 		}
+		finishListeners = finish
 	}
 	// From here on nothing fails: next was validated, and prepare took
-	// every step that could.
+	// every step that could. The reload is said first, so that what it
+	// causes (a listener's panic over, quotas under a new headroom,
+	// services that leave) follows it in the event log.
+	d.events.Record(pool.Event{Kind: pool.EventReload, Reason: strings.Join(plan.changed(), ",")})
+	finishListeners()
 	if plan.Pool {
 		if err := d.pool.SetConfig(next.Pool); err != nil {
 			d.log.Error("reload: the pool kept its configuration", "err", err) // validated: cannot happen
@@ -294,7 +301,6 @@ func (d *daemon) applyConfig(next config) error {
 		d.saveState()
 		d.applyMu.Unlock()
 	}
-	d.events.Record(pool.Event{Kind: pool.EventReload, Reason: strings.Join(plan.changed(), ",")})
 	d.log.Info("config reloaded", "changed", plan.changed())
 	return nil
 }
@@ -441,10 +447,12 @@ func socketPlan(running map[string]*runningListener, next config) (take map[stri
 
 // swapListeners starts the listeners that are new or changed, on the
 // sockets prepare bound or taken over from the running listener on their
-// address, and retires the ones that left or changed; unchanged ones keep
-// running untouched. Only when all are in place do the old incarnations
-// drain. On error every listener is as it was; d.mu is held.
-func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) error {
+// address; unchanged ones keep running untouched. On error every listener
+// is as it was. Else it returns finish, which cannot fail: it makes the
+// new set current (metrics, pool slices, probes) and retires the ones
+// that left or changed, so that only when all are in place do the old
+// incarnations drain. d.mu is held, for both.
+func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) (finish func(), err error) {
 	old := d.listeners
 	take, _ := socketPlan(old, next)
 	type handover struct {
@@ -485,30 +493,31 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) err
 			acc = newAcceptor(ln, d.log.With("listener", lc.Name))
 		}
 		if err := d.startListener(lc, acc, prev); err != nil {
-			return undo(err) // a socket of its own stays in sockets: abandon closes it
+			return nil, undo(err) // a socket of its own stays in sockets: abandon closes it
 		}
 		delete(sockets, lc.Name) // the listener's acceptor owns it now
 		fresh = append(fresh, d.listeners[lc.Name])
 		started = append(started, lc.Name)
 	}
-	var retire []*runningListener
-	for name, rl := range old {
-		if d.listeners[name] != rl {
-			retire = append(retire, rl)
+	return func() {
+		var retire []*runningListener
+		for name, rl := range old {
+			if d.listeners[name] != rl {
+				retire = append(retire, rl)
+			}
 		}
-	}
-	d.metrics.SetListeners(listenerNames(next.Listener))
-	d.pool.SetListeners(listenerSlices(next.Listener))
-	d.prober.setListeners(next.Listener)
-	for _, rl := range retire {
-		handed := slices.ContainsFunc(took, func(h handover) bool { return h.owner == rl })
-		if !handed {
-			rl.acc.close() // its address is no longer served
+		d.metrics.SetListeners(listenerNames(next.Listener))
+		d.pool.SetListeners(listenerSlices(next.Listener))
+		d.prober.setListeners(next.Listener)
+		for _, rl := range retire {
+			handed := slices.ContainsFunc(took, func(h handover) bool { return h.owner == rl })
+			if !handed {
+				rl.acc.close() // its address is no longer served
+			}
+			d.retire(rl)
 		}
-		d.retire(rl)
-	}
-	d.log.Info("listeners reloaded", "listeners", len(next.Listener), "started", started, "retired", len(retire))
-	return nil
+		d.log.Info("listeners reloaded", "listeners", len(next.Listener), "started", started, "retired", len(retire))
+	}, nil
 }
 
 // reattach serves rl's config again on its own socket after a reload that

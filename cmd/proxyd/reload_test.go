@@ -899,7 +899,7 @@ func TestReloadUndoKeepsTheCap(t *testing.T) {
 	next.Listener = append(next.Listener, bad)
 	sockets := map[string]net.Listener{"bad": ln}
 	e.d.mu.Lock()
-	err = e.d.swapListeners(next, sockets)
+	_, err = e.d.swapListeners(next, sockets)
 	e.d.mu.Unlock()
 	if err == nil {
 		t.Fatal("a swap with a listener that cannot start went through")
