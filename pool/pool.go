@@ -617,6 +617,14 @@ func (p *Pool) SetUsage(service int, rate, limit float64) {
 	}
 }
 
+// AtQuota reports whether service's usage is at or over quota_headroom ×
+// its limit: its upstreams are in state quota.
+func (p *Pool) AtQuota(service int) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.quota[service]
+}
+
 // Usage returns the figures SetUsage holds, per service with a limit: what
 // a state file keeps, and restores with SetUsage.
 func (p *Pool) Usage() map[int]ServiceUsage {

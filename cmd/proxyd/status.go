@@ -35,7 +35,8 @@ const statusRefresh = 5
 type statusPage struct {
 	Version   string
 	Now       string // RFC 3339 UTC
-	Updated   string // when the pool last changed, or "never"
+	Updated   string // when the pool last took the provider's word (any poll), or "never"
+	Fetched   string // when its IP lists were last refreshed, or "never"
 	Refresh   int
 	Filter    statusFilter
 	Listeners []pool.ListenerExplanation
@@ -94,7 +95,7 @@ type statusService struct {
 	Rate, Limit, UsageText string
 	RateValue, LimitValue  float64
 	Percent                int
-	Over                   bool // usage reached the limit
+	Over                   bool // usage reached quota_headroom × the limit: the pool holds the service at its quota
 }
 
 type statusEvent struct {
@@ -124,7 +125,11 @@ func (d *daemon) serveStatus(w http.ResponseWriter, r *http.Request) {
 	listeners := listenerNames(d.cfg.Listener)
 	d.mu.Unlock()
 	evFilter := pool.EventFilter{Service: f.service}
-	page := buildStatusPage(ex, d.poller.Snapshot(), d.events.Events(evFilter), time.Now())
+	d.applyMu.Lock()
+	fetched := d.fetched
+	d.applyMu.Unlock()
+	page := buildStatusPage(statusInput{pool: ex, snap: d.poller.Snapshot(), events: d.events.Events(evFilter),
+		fetched: fetched, atQuota: d.pool.AtQuota}, time.Now())
 	page.Filter = statusFilter{
 		Active:    f != poolFilter{},
 		State:     string(f.state),
@@ -160,9 +165,18 @@ func serviceIDs(ex pool.Explanation) []int {
 	return slices.Compact(ids)
 }
 
-// buildStatusPage is the page's content, a pure function of what the
-// pool, the agent and the event log say at now; events are newest first.
-func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Event, now time.Time) statusPage {
+// statusInput is what the status page shows.
+type statusInput struct {
+	pool    pool.Explanation
+	snap    agent.Snapshot
+	events  []pool.Event // newest first
+	fetched time.Time    // the last lists refresh of the pool served (proxyd_state_age_seconds counts from it)
+	atQuota func(service int) bool
+}
+
+// buildStatusPage is the page's content, a pure function of in at now.
+func buildStatusPage(in statusInput, now time.Time) statusPage {
+	ex, snap, events := in.pool, in.snap, in.events
 	now = now.UTC()
 	p := statusPage{
 		Version:   version,
@@ -174,6 +188,12 @@ func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Eve
 	}
 	if !ex.Updated.IsZero() {
 		p.Updated = ex.Updated.UTC().Format(time.RFC3339) + " (" + ago(now, ex.Updated) + ")"
+	}
+	p.Fetched = "never"
+	if !in.fetched.IsZero() {
+		// The data's age: a pool that takes every network-status poll is
+		// "updated" while the lists it serves may be hours old.
+		p.Fetched = in.fetched.UTC().Format(time.RFC3339) + " (" + ago(now, in.fetched) + ")"
 	}
 	records := map[int]agent.Service{}
 	for _, st := range snap.Services {
@@ -234,7 +254,7 @@ func buildStatusPage(ex pool.Explanation, snap agent.Snapshot, events []pool.Eve
 			if st.Limit > 0 {
 				s.Percent = int(100 * st.Rate / st.Limit)
 				s.UsageText += fmt.Sprintf(" (%d%%)", s.Percent)
-				s.Over = st.Rate >= st.Limit
+				s.Over = in.atQuota != nil && in.atQuota(st.ID)
 			}
 		}
 		p.Account.Services = append(p.Account.Services, s)

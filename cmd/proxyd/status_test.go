@@ -67,7 +67,10 @@ func TestStatusPageEscapes(t *testing.T) {
 		Accounts: []agent.ServiceItem{{ServiceID: 103, ProductName: `"quoted" & <i>`, Status: "Suspended"}},
 	}
 	events := []pool.Event{{Time: now.Add(-5 * time.Second), Kind: pool.EventListUpdateFailed, Service: 101, Reason: `provider said <script>alert(2)</script>`}}
-	page := buildStatusPage(ex, snap, events, now)
+	// The lists are three hours old while the pool took a poll a minute
+	// ago; service 102 is held at its quota (quota_headroom below 25 %).
+	page := buildStatusPage(statusInput{pool: ex, snap: snap, events: events,
+		fetched: now.Add(-3 * time.Hour), atQuota: func(id int) bool { return id == 102 }}, now)
 	var b bytes.Buffer
 	if err := statusTemplate.Execute(&b, page); err != nil {
 		t.Fatal(err)
@@ -82,6 +85,8 @@ func TestStatusPageEscapes(t *testing.T) {
 		"&lt;img src=x onerror=alert(1)&gt;", "&lt;script&gt;alert(2)&lt;/script&gt;", "&#34;quoted&#34; &amp; &lt;i&gt;",
 		`<meta http-equiv="refresh" content="5">`, "in 42s", `id="usage-102"`, "256 of 1024 (25%)", "$12.50", "PANIC", "2 unpaid invoices ($30.00)",
 		`class="state state-ejected"`, "(not served)",
+		"pool updated 2026-11-21T09:59:00Z (1m0s ago)", "IP lists fetched 2026-11-21T07:00:00Z (3h0m0s ago)",
+		`<span class="usage-text over">256 of 1024 (25%)</span>`,
 		// Sessions no upstream stands for: with their service's group, or
 		// in a group of their own.
 		`<tr class="unserved" data-session="s9"><td>s9</td><td><code>gw.example</code></td><td><code>198.51.100.9</code></td><td><span class="over">yes</span></td><td>yes</td></tr>`,
