@@ -128,7 +128,7 @@ func (c Config) Validate() error {
 			bad("base_url", "%q: no query or fragment allowed", u.Redacted())
 		}
 	}
-	if c.Token != "" && !headerSafe(c.Token) {
+	if c.Token != "" && !HeaderSafe(c.Token) {
 		bad("token", "holds whitespace or control characters")
 	}
 	if strings.ContainsAny(c.Login, ":\r\n") {
@@ -157,7 +157,7 @@ func (c Config) Validate() error {
 	if c.MaxBody < 0 {
 		errs = append(errs, fmt.Errorf("max body %d is negative", c.MaxBody))
 	}
-	if !headerSafe(c.Version) {
+	if !HeaderSafe(c.Version) {
 		errs = append(errs, fmt.Errorf("version %q holds whitespace or control characters", c.Version))
 	}
 	return errors.Join(errs...)
@@ -193,7 +193,7 @@ func (c Config) ResolveCredential(getenv func(string) string) (Config, string, e
 		return c
 	}
 	if t := strings.TrimSpace(getenv(TokenEnv)); t != "" {
-		if !headerSafe(t) {
+		if !HeaderSafe(t) {
 			// Not "KEY: …": the variable is no key of the file.
 			return c, "", fmt.Errorf("the environment's %s holds whitespace or control characters", TokenEnv)
 		}
@@ -254,7 +254,10 @@ func (c Config) credentialProblem() error {
 	return nil
 }
 
-func headerSafe(s string) bool {
+// HeaderSafe reports whether s can be sent as a token in an HTTP header
+// as it is: no whitespace, no control character (a header value is
+// trimmed, so a token with a space at either end could never match).
+func HeaderSafe(s string) bool {
 	for i := 0; i < len(s); i++ {
 		if s[i] <= ' ' || s[i] == 0x7f {
 			return false
@@ -270,7 +273,7 @@ func ReadTokenFile(path string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if !headerSafe(tok) {
+	if !HeaderSafe(tok) {
 		return "", fmt.Errorf("reading %s: token holds whitespace or control characters", path)
 	}
 	return tok, nil

@@ -278,6 +278,9 @@ func (c *config) validate() configErrors {
 			fail("admin.address", "%s is not a loopback address: set admin.token or admin.token_file", c.Admin.Address)
 		}
 	}
+	if c.Admin.Token != "" && !agent.HeaderSafe(c.Admin.Token) {
+		fail("admin.token", "holds whitespace or control characters")
+	}
 	if c.Admin.Token != "" && c.Admin.TokenFile != "" {
 		fail("admin.token_file", "set either token or token_file, not both")
 	}

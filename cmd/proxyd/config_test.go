@@ -307,6 +307,10 @@ func TestSyntaxErrorHidesSecrets(t *testing.T) {
 func TestOneMistakeOneProblem(t *testing.T) {
 	for text, want := range map[string]string{
 		"listener = 5\n": "listener: must be an array, got a number",
+		// upstream, not written, takes the protocol: its problem is the protocol's.
+		"[[listener]]\nname = \"h\"\nprotocol = \"sock5\"\naddress = \"127.0.0.1:8080\"\n": `listener[0].protocol: must be http or socks5, got "sock5"`,
+		// A token with a space at an end never matches the trimmed header.
+		"[admin]\ntoken = \" tok\"\n": "admin.token: holds whitespace or control characters",
 		"[api]\nservices = [1]\n[[listener]]\nname = \"h\"\nprotocol = \"http\"\naddress = \"127.0.0.1:8080\"\nservices = [-1]\n": "listener[0].services[0]: service IDs are positive numbers, got -1",
 	} {
 		_, err := parseConfig(text)
