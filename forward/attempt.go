@@ -298,6 +298,8 @@ type job struct {
 	again func() bool
 	// hedge: the job can be sent again while an attempt is in flight.
 	hedge bool
+	// scheme is a plain request's URL scheme (relaysHead).
+	scheme string
 	// resendStale: the job may go out again after a kept connection closed
 	// under it (an idempotent request).
 	resendStale bool
@@ -400,7 +402,7 @@ func (l *Listener) run(ctx context.Context, j *job) (win *try, a answer, retries
 			timer  *time.Timer
 			hedged chan struct{} // closed when the hedge timer's work is over
 		)
-		if j.hedge && j.sends.Load() == 0 && l.cfg.HedgeDelay > 0 && hedgeable(up, j.key) {
+		if j.hedge && j.sends.Load() == 0 && l.cfg.HedgeDelay > 0 && hedgeable(up, j) {
 			hedged = make(chan struct{})
 			timer = time.AfterFunc(l.cfg.HedgeDelay, func() { lp.sendHedge(t, hedged) })
 		}
@@ -492,13 +494,23 @@ func (lp *loop) expire() {
 	}
 }
 
-// hedgeable reports whether a request through up may be hedged: not
+// hedgeable reports whether job j's request through up may be hedged: not
 // sticky (a hedge through another upstream would change the exit IP the
 // client pinned), not on a rotating (ppr) service, which bills by request
-// or traffic, and through an HTTP upstream (through SOCKS5 the tunnel's
-// reply already proved the upstream, and a silent head is the destination's).
-func hedgeable(up *pool.Upstream, key string) bool {
-	return key == "" && up.Protocol == pool.HTTP && up.Kind != pool.PPR
+// or traffic, and only where the upstream relays the answer head itself
+// (through a tunnel, the tunnel's answer already proved the upstream, and
+// a silent head is the destination's).
+func hedgeable(up *pool.Upstream, j *job) bool {
+	return j.key == "" && up.Kind != pool.PPR && relaysHead(up, j.scheme)
+}
+
+// relaysHead reports whether a plain request with URL scheme goes to the
+// destination through up as a proxy request, whose answer head up relays
+// (http:// through an HTTP upstream), rather than through a tunnel up
+// opens (a SOCKS5 upstream; CONNECT for https://), which up answers
+// itself before the destination says anything.
+func relaysHead(up *pool.Upstream, scheme string) bool {
+	return up.Protocol == pool.HTTP && scheme == "http"
 }
 
 // begin starts an attempt through up. live is false when the job was over
@@ -540,7 +552,7 @@ func (lp *loop) sendHedge(first *try, done chan struct{}) {
 		close(done)
 		return
 	}
-	if !hedgeable(up, lp.j.key) {
+	if !hedgeable(up, lp.j) {
 		l.pool.Report(up, pool.Canceled, 0)
 		l.pool.Release(up, req)
 		close(done)

@@ -135,7 +135,8 @@ type Config struct {
 	// HedgeDelay: after this long without an answer head, a plain request
 	// that can be sent again (GET, HEAD, OPTIONS, TRACE or one with an
 	// Idempotency-Key, without body, not sticky, not on a ppr upstream,
-	// through an HTTP upstream) also goes through one more upstream; the
+	// an http:// request through an HTTP upstream, which relays the
+	// destination's head itself) also goes through one more upstream; the
 	// first answer from the destination wins. 0: hedging off. Negative is
 	// refused.
 	HedgeDelay time.Duration `toml:"hedge_delay"`

@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -973,5 +974,44 @@ func TestTunneledSlowDestinationBlamesNoUpstream(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// An https:// request goes through a CONNECT tunnel even through an HTTP
+// upstream: the tunnel's answer proved the upstream, so a slow head is the
+// destination's, and the request is not hedged (a hedge that answered
+// first would blame the upstream for the destination's pace).
+func TestHTTPSRequestIsNotHedged(t *testing.T) {
+	checkLeaks(t)
+	var hits atomic.Int32
+	origin := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if hits.Add(1) == 1 {
+			time.Sleep(time.Second) // the first request is slow, any later one fast
+		}
+		_, _ = io.WriteString(w, "ok")
+	}))
+	t.Cleanup(origin.Close)
+	roots := x509.NewCertPool()
+	roots.AddCert(origin.Certificate())
+	u1, u2 := newHTTPUpstream(t, "", "", nil).upstream(1), newHTTPUpstream(t, "", "", nil).upstream(2)
+	p := newFakePool(u1, u2)
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.AllowDestinations = loopbackAllowed
+		c.RootCAs = roots
+		c.HedgeDelay = 100 * time.Millisecond
+		c.ResponseTimeout = 10 * time.Second
+	}), p)
+	host := strings.TrimPrefix(origin.URL, "https://")
+	resp := rawRequest(t, tl.addr, "GET "+origin.URL+"/ HTTP/1.1\r\nHost: "+host+"\r\nConnection: close\r\n\r\n")
+	if resp == nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("answer %+v, want 200", resp)
+	}
+	resp.Body.Close()
+	p.waitBalanced(t)
+	if n := hits.Load(); n != 1 {
+		t.Errorf("the destination got %d requests, want 1 (no hedge)", n)
+	}
+	if r := p.Reports(); len(r) != 1 || r[0].res != pool.Success {
+		t.Errorf("reports %+v, want one success", r)
 	}
 }

@@ -383,7 +383,7 @@ func resendable(req *http.Request) bool {
 // it waits for more.
 func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Request, key string, flush func()) *http.Response {
 	// req's hop-by-hop headers are gone already.
-	j := &job{key: key, plain: true, hedge: resendable(req), resendStale: idempotent(req.Method)}
+	j := &job{key: key, plain: true, hedge: resendable(req), scheme: req.URL.Scheme, resendStale: idempotent(req.Method)}
 	var rb *replayBody
 	if req.Body != nil && req.Body != http.NoBody {
 		rb = &replayBody{rc: req.Body, j: j}
@@ -437,7 +437,7 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 	if _, ok := out.Header["User-Agent"]; !ok {
 		out.Header["User-Agent"] = []string{""} // or Go would name itself
 	}
-	viaProxy := up.Protocol != pool.SOCKS5 && req.URL.Scheme == "http"
+	viaProxy := relaysHead(up, req.URL.Scheme)
 	if viaProxy {
 		if a := basicAuth(up); a != "" {
 			out.Header.Set("Proxy-Authorization", a)
