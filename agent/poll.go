@@ -1347,7 +1347,9 @@ func (p *Poller) pollUsage(ctx context.Context, r roundStart, units []unit) erro
 			continue
 		}
 		p.mu.Lock()
-		if st := p.services[id]; st != nil && p.gen == gen {
+		// Not ppr any more (an account round said so while this one
+		// waited): no figures, as that round left it.
+		if st := p.services[id]; st != nil && p.gen == gen && st.Record.ProductType == "ppr" {
 			if len(rate) == 0 {
 				st.Rate, st.Limit, st.HasUsage, st.UsageEmpty = 0, 0, false, true
 			} else {

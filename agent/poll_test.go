@@ -885,6 +885,52 @@ func TestPollerServiceNoLongerPPRClearsUsage(t *testing.T) {
 	}
 }
 
+// A usage round that asked for the rate before the account round said the
+// service is no ppr any more does not bring the figures back when its
+// answer comes after.
+func TestPollerLateRateOfServiceNoLongerPPR(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	gate, asked := make(chan struct{}), make(chan struct{}, 1)
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+		if !strings.Contains(r.URL.Path, "/rate/") {
+			return false
+		}
+		rec := httptest.NewRecorder()
+		sim.ServeHTTP(rec, r) // the answer as it was when asked
+		asked <- struct{}{}
+		<-gate
+		w.WriteHeader(rec.Code)
+		w.Write(rec.Body.Bytes())
+		return true
+	})
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services = []int{102} }), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	usage := make(chan error, 1)
+	go func() { usage <- p.PollOnce(ctx, LoopUsage) }()
+	select {
+	case <-asked:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the usage round did not ask for the rate within 5s")
+	}
+	sim.SetProductType(102, "fpr")
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	close(gate)
+	if err := <-usage; err != nil {
+		t.Fatal(err)
+	}
+	if st := serviceByID(p.Snapshot(), 102); st.HasUsage || !st.UsageEmpty {
+		t.Errorf("a late rate answer of a service no longer ppr: has %v, empty %v, rate %g of %g", st.HasUsage, st.UsageEmpty, st.Rate, st.Limit)
+	}
+}
+
 // The usage loop likewise: service 104's failing rate backs off alone and
 // service 102's rate is read every usage interval. Kick polls every
 // service at once, the one backing off included.
