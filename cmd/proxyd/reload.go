@@ -329,7 +329,7 @@ func (d *daemon) prepareClient(old, next config) (*clientSwap, error) {
 	d.mu.Lock()
 	running := d.api
 	d.mu.Unlock()
-	same := api.BaseURL == running.BaseURL && api.Token == running.Token && api.Login == running.Login &&
+	same := agent.ProviderURL(api.BaseURL) == agent.ProviderURL(running.BaseURL) && api.Token == running.Token && api.Login == running.Login &&
 		api.Password == running.Password && api.Timeout == running.Timeout
 	return &clientSwap{client: c, api: api, source: src, changed: !same}, nil
 }

@@ -934,3 +934,30 @@ func TestReloadRenameAndReuseName(t *testing.T) {
 	wantOverCap(t, moved.Address, echo, "http, whose old incarnation holds one")
 	roundTrip(t, held, "still open")
 }
+
+// A reload that only spells base_url otherwise (capitals, a trailing
+// slash) keeps the running client, token_file read again or not: the poll
+// loops are not restarted, nor the rounds in flight dropped.
+func TestReloadRespelledBaseURLKeepsClient(t *testing.T) {
+	w := newWorld(t)
+	tokenFile := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(tokenFile, []byte("unused: the environment's token wins\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := startDaemon(t, w, t.TempDir(), func(c *config) { c.API.TokenFile = tokenFile })
+	e.waitReady()
+	e.d.mu.Lock()
+	before := e.d.client
+	e.d.mu.Unlock()
+	next := e.nextConfig()
+	next.API.BaseURL = "HTTP" + strings.TrimPrefix(next.API.BaseURL, "http") + "/"
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	e.d.mu.Lock()
+	after := e.d.client
+	e.d.mu.Unlock()
+	if after != before {
+		t.Errorf("a re-spelled base_url (%s) replaced the client", next.API.BaseURL)
+	}
+}
