@@ -499,6 +499,15 @@ func (m *Metrics) SetStateTime(t time.Time) {
 	m.stateTime.Store(t.UnixNano())
 }
 
+// StateTime is what SetStateTime last set, the time
+// proxyd_state_age_seconds counts from; zero before.
+func (m *Metrics) StateTime() time.Time {
+	if ns := m.stateTime.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
+}
+
 // SetPoolSource sets the function that the scrape-time collector calls for
 // proxyd_upstreams, proxyd_listener_usable_upstreams and
 // proxyd_listener_panic. Until it is set those metrics are not exposed:

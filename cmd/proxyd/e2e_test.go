@@ -414,6 +414,10 @@ func TestDaemonRestartServesFromState(t *testing.T) {
 	if age, _ := strconv.ParseFloat(m[1], 64); age < 3600 || age > 3700 {
 		t.Errorf("state age %.0fs, want the hour since it was saved", age)
 	}
+	// So does the status page, while its pool was updated just now.
+	if _, page := e2.admin("/"); !strings.Contains(page, "IP lists fetched "+saved.Fetched.UTC().Format(time.RFC3339)) {
+		t.Errorf("the status page does not say the lists are from %s:\n%s", saved.Fetched.UTC().Format(time.RFC3339), grepLines(page, "fetched"))
+	}
 }
 
 // A reload that moves [state] dir saves there at once, changed pool or

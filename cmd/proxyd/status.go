@@ -125,11 +125,8 @@ func (d *daemon) serveStatus(w http.ResponseWriter, r *http.Request) {
 	listeners := listenerNames(d.cfg.Listener)
 	d.mu.Unlock()
 	evFilter := pool.EventFilter{Service: f.service}
-	d.applyMu.Lock()
-	fetched := d.fetched
-	d.applyMu.Unlock()
 	page := buildStatusPage(statusInput{pool: ex, snap: d.poller.Snapshot(), events: d.events.Events(evFilter),
-		fetched: fetched, atQuota: d.pool.AtQuota}, time.Now())
+		fetched: d.metrics.StateTime(), atQuota: d.pool.AtQuota}, time.Now())
 	page.Filter = statusFilter{
 		Active:    f != poolFilter{},
 		State:     string(f.state),
