@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -107,6 +108,27 @@ var squidDestinationErrors = []string{
 	"ERR_CONNECT_FAIL", "ERR_DNS_FAIL", "ERR_READ_TIMEOUT", "ERR_READ_ERROR",
 	"ERR_WRITE_ERROR", "ERR_ZERO_SIZE_OBJECT", "ERR_LIFETIME_EXP", "ERR_CANNOT_FORWARD",
 	"ERR_GATEWAY_FAILURE", "ERR_SECURE_CONNECT_FAIL", "ERR_INVALID_RESP",
+}
+
+// squidOwnAnswer reports whether a plain answer with status and
+// X-Squid-Error value v, through an HTTP upstream, is the upstream's own:
+// Squid sends its error pages with a 4xx or 5xx status, and a deny_info
+// redirect as a 3xx whose X-Squid-Error is "NNN Access Denied". Any other
+// answer carrying the header is a destination's (a site behind a Squid of
+// its own). That site's own error pages carry it too, and cannot be told
+// from the upstream's.
+func squidOwnAnswer(status int, v string) bool {
+	switch {
+	case v == "":
+		return false
+	case status >= 400:
+		return true
+	case status >= 300:
+		code, text, _ := strings.Cut(strings.TrimSpace(v), " ")
+		_, err := strconv.Atoi(code)
+		return len(code) == 3 && err == nil && strings.EqualFold(strings.TrimSpace(text), "Access Denied")
+	}
+	return false
 }
 
 // squidCode is the error name of an X-Squid-Error value ("ERR_CONNECT_FAIL 111").

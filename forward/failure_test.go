@@ -882,6 +882,57 @@ func TestKeptConnectionReportsNoLatency(t *testing.T) {
 	}
 }
 
+// Which plain answers through an HTTP upstream are the upstream's own: X-Squid-Error
+// on an error status, or on the redirect of a deny_info; not on a destination's success.
+func TestSquidOwnAnswer(t *testing.T) {
+	for _, tc := range []struct {
+		status int
+		v      string
+		own    bool
+	}{
+		{503, "ERR_CONNECT_FAIL 111", true}, {403, "ERR_ACCESS_DENIED 0", true}, {404, "ERR_INVALID_URL 0", true},
+		{302, "403 Access Denied", true}, {307, "403 access denied", true},
+		{200, "ERR_INVALID_URL 0", false}, {302, "ERR_INVALID_URL 0", false}, {301, "", false}, {500, "", false},
+	} {
+		if got := squidOwnAnswer(tc.status, tc.v); got != tc.own {
+			t.Errorf("squidOwnAnswer(%d, %q) = %v, want %v", tc.status, tc.v, got, tc.own)
+		}
+	}
+}
+
+// An HTTP upstream that refuses a plain request with a deny_info redirect
+// (Squid: 302 with "X-Squid-Error: 403 Access Denied") refused it itself:
+// its failure, and the request goes through the next upstream.
+func TestSquidDenyRedirectIsTheUpstreams(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, "the site's page")
+	}))
+	denying := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for {
+			if _, err := http.ReadRequest(br); err != nil {
+				return
+			}
+			_, _ = io.WriteString(c, "HTTP/1.1 302 Found\r\nLocation: http://blocked.example/\r\n"+
+				"X-Squid-Error: 403 Access Denied\r\nContent-Length: 0\r\n\r\n")
+		}
+	})
+	u1 := &pool.Upstream{Service: 1, Protocol: pool.HTTP, Address: denying}
+	u2 := newHTTPUpstream(t, "", "", nil).upstream(2)
+	p := newFakePool(u1, u2)
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	resp := rawRequest(t, tl.addr, "GET http://"+origin+"/ HTTP/1.1\r\nHost: "+origin+"\r\nConnection: close\r\n\r\n")
+	if resp == nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("answer %+v, want the destination's 200 through the second upstream", resp)
+	}
+	resp.Body.Close()
+	p.waitBalanced(t)
+	if r, want := p.Reports(), []report{{u1.ID(), pool.ProxyError}, {u2.ID(), pool.Success}}; !slices.Equal(r, want) {
+		t.Errorf("reports %+v, want %+v", r, want)
+	}
+}
+
 // X-Squid-Error marks an HTTP upstream's own error page, which Squid sends
 // with a 4xx or 5xx status only. A destination's successful answer that
 // carries the header (a site behind a Squid of its own) is the

@@ -475,13 +475,9 @@ func (l *Listener) plainAttempt(ctx context.Context, j *job, req *http.Request, 
 	}
 	switch {
 	case err == nil && viaProxy && (resp.StatusCode == http.StatusProxyAuthRequired ||
-		resp.StatusCode >= 400 && resp.Header.Get("X-Squid-Error") != ""):
+		squidOwnAnswer(resp.StatusCode, resp.Header.Get("X-Squid-Error"))):
 		// The upstream's own answer, not the destination's: that attempt's
-		// failure, not a win. Squid gives its own error pages 4xx and 5xx
-		// statuses only; a 2xx or 3xx with X-Squid-Error is a destination's
-		// (a site behind a Squid of its own) and passes. (Its 4xx or 5xx
-		// pages carry the same header as the upstream's own: those cannot
-		// be told apart.)
+		// failure, not a win.
 		pa := proxyAnswer(resp)
 		_ = resp.Body.Close()
 		r.h, r.err = pa.h, pa.err
