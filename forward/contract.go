@@ -20,7 +20,8 @@ type Pool interface {
 }
 
 // Outcome is the result class of one client connection, as counted in
-// proxyd_connections_total{result}.
+// proxyd_connections_total{result}, and of one plain HTTP request
+// (proxyd_http_requests_total{result}).
 type Outcome uint8
 
 const (
@@ -50,4 +51,8 @@ type Observer interface {
 	Closed(o Outcome, up, down int64, retries int) // it ended; bytes client→upstream (up) and back (down)
 	Dialed(p pool.Protocol, took time.Duration)    // a successful dial + handshake through an upstream
 	Hedged()                                       // a plain request was also sent through one more upstream
+	// Requested: a plain HTTP request (absolute URI, an upgrade included;
+	// not CONNECT) was answered, with result o. A keep-alive connection
+	// carries many; Closed reports only its last one.
+	Requested(o Outcome)
 }

@@ -113,12 +113,15 @@ func (l *Listener) serveHTTPConn(cc *clientConn) {
 			var bad badHead
 			switch {
 			case hc.lr.N == 0:
+				l.obs.Requested(OutcomeClientError)
 				l.refuseConn(cc, http.StatusRequestHeaderFieldsTooLarge, "request header too large\n", "")
 			case errors.As(err, &bad):
+				l.obs.Requested(OutcomeClientError)
 				l.refuseConn(cc, bad.status, textBadRequest, "")
 			case isTimeout(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
-				_ = cc.Close() // nothing more will come
+				_ = cc.Close() // nothing more will come, and nothing was answered
 			default:
+				l.obs.Requested(OutcomeClientError)
 				l.refuseConn(cc, http.StatusBadRequest, textBadRequest, "")
 			}
 			return
@@ -134,7 +137,9 @@ func (l *Listener) serveHTTPConn(cc *clientConn) {
 			l.serveConnect(cc, hc.br, req, key)
 			return
 		}
-		if !hc.servePlain(req) {
+		keep := hc.servePlain(req)
+		l.obs.Requested(cc.lastOutcome())
+		if !keep {
 			return
 		}
 	}

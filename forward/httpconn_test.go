@@ -2,10 +2,14 @@ package forward
 
 import (
 	"bufio"
+	"context"
+	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -531,5 +535,48 @@ func TestUpgradeRefusedAnswerIsBounded(t *testing.T) {
 			}
 			p.waitBalanced(t)
 		})
+	}
+}
+
+// Every plain request on a keep-alive connection is counted with its own
+// result (Observer.Requested), while the connection counts once, with its
+// last one; a malformed head is a request refused; a CONNECT is none.
+func TestEachPlainRequestCounted(t *testing.T) {
+	checkLeaks(t)
+	origin, _ := startOrigin(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = io.WriteString(w, "ok") }))
+	up := newHTTPUpstream(t, "", "", nil).upstream(1)
+	var empty atomic.Bool
+	empty.Store(true) // the first request finds no upstream
+	p := newFakePool(up)
+	p.PickFunc = func(context.Context, pool.Request) (*pool.Upstream, error) {
+		if empty.Swap(false) {
+			return nil, errors.New("no usable upstream")
+		}
+		return up, nil
+	}
+	tl := startListener(t, testConfig(func(c *Config) { c.AllowDestinations = loopbackAllowed }), p)
+	c, br := dialRaw(t, tl.addr)
+	for i, want := range []int{http.StatusBadGateway, http.StatusOK} {
+		fmt.Fprintf(c, "GET http://%s/ HTTP/1.1\r\nHost: %s\r\n\r\n", origin, origin)
+		if resp, _ := readAnswer(t, br, http.MethodGet); resp.StatusCode != want {
+			t.Fatalf("request %d: %d, want %d", i, resp.StatusCode, want)
+		}
+	}
+	_ = c.Close()
+	bad, _ := dialRaw(t, tl.addr)
+	_, _ = io.WriteString(bad, "GET http://x/ HTTP/1.1\r\nHost x\r\n\r\n") // no colon: malformed
+	_ = bad.(*net.TCPConn).CloseWrite()                                    // so that the refusal's linger ends at once
+	_, _ = io.Copy(io.Discard, bad)
+	tun, _, resp := rawConnect(t, tl.addr, origin, "")
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("CONNECT: %d", resp.StatusCode)
+	}
+	_ = tun.Close()
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 3 }, "three connections counted")
+	if got, want := tl.obs.Requests(), []Outcome{OutcomeNoUpstream, OutcomeOK, OutcomeClientError}; !slices.Equal(got, want) {
+		t.Errorf("requests counted %v, want %v", got, want)
+	}
+	if got := tl.obs.Closeds()[0].o; got != OutcomeOK {
+		t.Errorf("the keep-alive connection: %s, want its last request's ok", got)
 	}
 }

@@ -139,6 +139,7 @@ func (nopObserver) Opened()                             {}
 func (nopObserver) Closed(Outcome, int64, int64, int)   {}
 func (nopObserver) Dialed(pool.Protocol, time.Duration) {}
 func (nopObserver) Hedged()                             {}
+func (nopObserver) Requested(Outcome)                   {}
 
 // Addr is the address Serve listens on, or nil before Serve.
 func (l *Listener) Addr() net.Addr {
@@ -555,6 +556,15 @@ func (c *clientConn) CloseWrite() error {
 // setOutcome records the outcome of the latest request on the connection.
 func (c *clientConn) setOutcome(o Outcome) { c.outcome.Store(int32(o) + 1) }
 
+// lastOutcome is the latest request's outcome; client_error when nothing
+// was served.
+func (c *clientConn) lastOutcome() Outcome {
+	if v := c.outcome.Load(); v > 0 {
+		return Outcome(v - 1)
+	}
+	return OutcomeClientError
+}
+
 func (c *clientConn) Close() error {
 	c.once.Do(func() {
 		c.closeErr = c.Conn.Close()
@@ -563,13 +573,9 @@ func (c *clientConn) Close() error {
 		l.mu.Lock()
 		delete(l.conns, c)
 		l.mu.Unlock()
-		o := OutcomeClientError
-		if v := c.outcome.Load(); v > 0 {
-			o = Outcome(v - 1)
-		}
 		// Reported before it stops counting as active: once Shutdown sees
 		// none active, the observer has every connection's outcome.
-		l.obs.Closed(o, c.up.Load(), c.down.Load(), int(c.retries.Load()))
+		l.obs.Closed(c.lastOutcome(), c.up.Load(), c.down.Load(), int(c.retries.Load()))
 		l.active.Add(-1)
 		l.capped.Add(-1)
 	})

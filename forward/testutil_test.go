@@ -189,11 +189,12 @@ type closedRec struct {
 }
 
 type testObserver struct {
-	mu     sync.Mutex
-	opened int
-	closed []closedRec
-	dialed int
-	hedged int
+	mu       sync.Mutex
+	opened   int
+	closed   []closedRec
+	dialed   int
+	hedged   int
+	requests []Outcome
 	// onClosed (under mu) runs in each Closed call.
 	onClosed func()
 }
@@ -210,6 +211,17 @@ func (o *testObserver) Closed(oc Outcome, up, down int64, retries int) {
 }
 func (o *testObserver) Dialed(pool.Protocol, time.Duration) { o.mu.Lock(); o.dialed++; o.mu.Unlock() }
 func (o *testObserver) Hedged()                             { o.mu.Lock(); o.hedged++; o.mu.Unlock() }
+func (o *testObserver) Requested(oc Outcome) {
+	o.mu.Lock()
+	o.requests = append(o.requests, oc)
+	o.mu.Unlock()
+}
+
+func (o *testObserver) Requests() []Outcome {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return append([]Outcome(nil), o.requests...)
+}
 
 func (o *testObserver) Closeds() []closedRec {
 	o.mu.Lock()

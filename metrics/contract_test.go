@@ -38,6 +38,7 @@ func TestContract(t *testing.T) {
 		values map[string][]string // allowed values of some labels
 	}{
 		{"proxyd_connections_total", counter, []string{"listener", "result"}, map[string][]string{"result": outcomes}},
+		{"proxyd_http_requests_total", counter, []string{"listener", "result"}, map[string][]string{"result": outcomes}},
 		{"proxyd_connections_active", gauge, []string{"listener"}, nil},
 		{"proxyd_bytes_total", counter, []string{"direction", "listener"}, map[string][]string{"direction": {"up", "down"}}},
 		{"proxyd_retries_total", counter, []string{"listener"}, nil},

@@ -38,6 +38,9 @@ type listenerObserver struct {
 	down    atomic.Uint64
 	retries atomic.Uint64
 	hedged  atomic.Uint64
+	// requests counts plain HTTP requests by result (an outcome out of
+	// range, a caller bug, is not counted).
+	requests [forward.NumOutcomes]atomic.Uint64
 	dial    [len(dialProtocols)]dialHistogram
 }
 
@@ -81,6 +84,13 @@ func (l *listenerObserver) Closed(o forward.Outcome, up, down int64, retries int
 // Hedged counts a plain request sent through one more upstream.
 func (l *listenerObserver) Hedged() { l.hedged.Add(1) }
 
+// Requested counts a plain HTTP request answered with result o.
+func (l *listenerObserver) Requested(o forward.Outcome) {
+	if o < forward.NumOutcomes {
+		l.requests[o].Add(1)
+	}
+}
+
 // Dialed records a successful dial; an unknown protocol is ignored.
 func (l *listenerObserver) Dialed(p pool.Protocol, took time.Duration) {
 	k := slices.Index(dialProtocols[:], p)
@@ -101,7 +111,7 @@ func (l *listenerObserver) Dialed(p pool.Protocol, took time.Duration) {
 type connCollector struct {
 	m *Metrics
 
-	connections, active, bytes, retries, hedged, dial *prometheus.Desc
+	connections, active, bytes, retries, hedged, requests, dial *prometheus.Desc
 }
 
 func newConnCollector(m *Metrics) *connCollector {
@@ -117,13 +127,16 @@ func newConnCollector(m *Metrics) *connCollector {
 			"Further upstreams tried after a failed dial or handshake, by listener.", []string{"listener"}, nil),
 		hedged: prometheus.NewDesc("proxyd_hedged_requests_total",
 			"Plain requests also sent through one more upstream after the hedge delay without an answer head, by listener.", []string{"listener"}, nil),
+		requests: prometheus.NewDesc("proxyd_http_requests_total",
+			"Plain HTTP requests (absolute URI, upgrades included; not CONNECT) answered, by listener and result class: "+
+				"a keep-alive connection carries many, and proxyd_connections_total counts only its last.", []string{"listener", "result"}, nil),
 		dial: prometheus.NewDesc("proxyd_upstream_dial_seconds",
 			"Time of a successful dial and proxy handshake through an upstream, by upstream protocol.", []string{"protocol"}, nil),
 	}
 }
 
 func (c *connCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connections, c.active, c.bytes, c.retries, c.hedged, c.dial} {
+	for _, d := range []*prometheus.Desc{c.connections, c.active, c.bytes, c.retries, c.hedged, c.requests, c.dial} {
 		ch <- d
 	}
 }
@@ -165,6 +178,7 @@ func (c *connCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, l := range ls {
 		for o := range forward.NumOutcomes {
 			ch <- prometheus.MustNewConstMetric(c.connections, prometheus.CounterValue, float64(l.results[o].Load()), l.name, o.String())
+			ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(l.requests[o].Load()), l.name, o.String())
 		}
 		ch <- prometheus.MustNewConstMetric(c.active, prometheus.GaugeValue, float64(l.active()), l.name)
 		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(l.up.Load()), l.name, "up")

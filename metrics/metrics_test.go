@@ -115,6 +115,13 @@ func scriptedRun(m *Metrics) {
 		}
 		httpL.Closed(o, 1000, 5000, retries)
 	}
+	// A keep-alive connection of three plain requests, the first two of
+	// which failed: proxyd_connections_total says ok, the requests all.
+	httpL.Opened()
+	httpL.Requested(forward.OutcomeUpstreamError)
+	httpL.Requested(forward.OutcomeDestinationError)
+	httpL.Requested(forward.OutcomeOK)
+	httpL.Closed(forward.OutcomeOK, 10, 20, 0)
 	socksL.Opened()
 	socksL.Dialed(pool.SOCKS5, 120*time.Millisecond)
 	socksL.Closed(forward.OutcomeOK, 300, 70000, 1)
