@@ -563,6 +563,10 @@ func TestEachPlainRequestCounted(t *testing.T) {
 		}
 	}
 	_ = c.Close()
+	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 1 }, "the keep-alive connection counted")
+	if got := tl.obs.Closeds()[0].o; got != OutcomeOK {
+		t.Errorf("the keep-alive connection: %s, want its last request's ok", got)
+	}
 	bad, _ := dialRaw(t, tl.addr)
 	_, _ = io.WriteString(bad, "GET http://x/ HTTP/1.1\r\nHost x\r\n\r\n") // no colon: malformed
 	_ = bad.(*net.TCPConn).CloseWrite()                                    // so that the refusal's linger ends at once
@@ -575,8 +579,5 @@ func TestEachPlainRequestCounted(t *testing.T) {
 	waitFor(t, 5*time.Second, func() bool { return len(tl.obs.Closeds()) == 3 }, "three connections counted")
 	if got, want := tl.obs.Requests(), []Outcome{OutcomeNoUpstream, OutcomeOK, OutcomeClientError}; !slices.Equal(got, want) {
 		t.Errorf("requests counted %v, want %v", got, want)
-	}
-	if got := tl.obs.Closeds()[0].o; got != OutcomeOK {
-		t.Errorf("the keep-alive connection: %s, want its last request's ok", got)
 	}
 }
