@@ -1116,10 +1116,19 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	if wantSticky {
 		sl, err := client.StickyList(ctx, id)
 		p.beat(owner)
-		if err != nil {
+		switch {
+		case errors.Is(err, ErrUnprocessable):
+			// The sticky list's own failure (PROVIDER_API: 422 with the
+			// backend's message, such as sessions not set up for the
+			// service): no sessions to serve, as an empty list says
+			// (confirmed as any shrink), and the service's list entries
+			// serve as plain rotating upstreams meanwhile, rather than
+			// the service not at all.
+			p.log.Warn("sticky sessions refused; the service's list entries serve as rotating upstreams", "service", id, "err", err)
+		case err != nil:
 			stickyOK = false
 			unitErr = keepErr(unitErr, fmt.Errorf("polling sticky sessions of service %d: %w", id, err))
-		} else {
+		default:
 			sticky = sl.Sessions
 		}
 	}

@@ -885,6 +885,43 @@ func TestPollerServiceNoLongerPPRClearsUsage(t *testing.T) {
 	}
 }
 
+// A ppr service whose sticky list the provider refuses (422 with its
+// message, as PROVIDER_API lists for the sticky list) is served from its
+// lists as plain rotating upstreams, not held back for ever.
+func TestPollerStickyRefusedServesListEntries(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
+		if !strings.HasPrefix(r.URL.Path, "/api/sticky/list/") {
+			return false
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusUnprocessableEntity)
+		_, _ = io.WriteString(w, `{"error":"Sticky sessions are not enabled for this service"}`)
+		return true
+	})
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services, c.LookupHost = []int{102}, sim.LookupHost }), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PollOnce(ctx, LoopLists); err != nil {
+		t.Errorf("lists round: %v", err)
+	}
+	st := serviceByID(p.Snapshot(), 102)
+	ups := st.Upstreams()
+	if !st.ListsKnown || len(ups) == 0 {
+		t.Fatalf("known %v, %d upstreams: the service is not served", st.ListsKnown, len(ups))
+	}
+	for _, u := range ups {
+		if u.Session != "" {
+			t.Errorf("upstream %+v stands for a session, but none was listed", u)
+		}
+	}
+}
+
 // A usage round that asked for the rate before the account round said the
 // service is no ppr any more does not bring the figures back when its
 // answer comes after.
@@ -1244,7 +1281,9 @@ func TestPollerListsBackoffPerService(t *testing.T) {
 	lists := map[int]int{} // IP list requests by service
 	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if r.URL.Path == "/api/sticky/list/102" {
-			w.WriteHeader(http.StatusUnprocessableEntity)
+			// A failure that may pass (a 422 would say the service has
+			// no sessions, which is no failure of the round).
+			w.WriteHeader(http.StatusInternalServerError)
 			io.WriteString(w, `{"error":"sticky sessions unavailable"}`)
 			return true
 		}
