@@ -150,6 +150,13 @@ type ServiceState struct {
 	// (UpstreamSpec.StatusIP). A name whose lookup failed keeps the
 	// addresses of its last good one (none if it never resolved).
 	Resolved map[string][]string
+
+	// listsAt and stickyAt: when the round began whose IP lists (sticky
+	// sessions) are in, or (stickyAt) a rotation changed a session: an
+	// answer to a round begun before is older than what is in, and is not
+	// taken (a regular round answering after a list update's own poll, or
+	// after a rotation, would put the old list or exit IP back).
+	listsAt, stickyAt time.Time
 }
 
 // StatusKnown reports whether both network-status lists are known.
@@ -1161,10 +1168,17 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 		}
 		return false
 	}
+	staleLists, staleSticky := at.Before(st.listsAt), at.Before(st.stickyAt)
+	if staleLists || staleSticky {
+		p.log.Debug("lists round answered after a newer one; keeping the newer", "service", id)
+	}
 	for typ, l := range lists {
-		if take(sizeKey(id, typ), "IP list", len(l)) {
+		if !staleLists && take(sizeKey(id, typ), "IP list", len(l)) {
 			st.Lists[typ] = l
 		}
+	}
+	if !staleLists && len(lists) > 0 {
+		st.listsAt = at
 	}
 	// A type no listener draws any more (a reload changed the listeners)
 	// goes: its upstreams would serve no one, and its IPs would count in
@@ -1186,10 +1200,11 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 	if len(gone) > 0 {
 		p.forgetSizes(func(key string) bool { return slices.Contains(gone, key) })
 	}
-	if stickyOK && wantSticky {
+	if stickyOK && wantSticky && !staleSticky {
 		if take(sizeKey(id, stickyList), "sticky session list", len(sticky)) {
 			st.Sticky = sticky
 		}
+		st.stickyAt = at
 	}
 	st.Resolved = resolved
 	// Known once every list was fetched and swapped in: until then the
@@ -1435,6 +1450,7 @@ func (p *Poller) Rotate(ctx context.Context, service int, server, session string
 				st.Sticky[i].ExitIP = res.ExitIP
 			}
 		}
+		st.stickyAt = p.now() // a sticky list asked for before says the old exit IP
 	}
 	p.mu.Unlock()
 	return res.ExitIP, nil

@@ -922,6 +922,115 @@ func TestPollerStickyRefusedServesListEntries(t *testing.T) {
 	}
 }
 
+// holdOnce answers the first request whose path starts with prefix, once
+// armed, as the simulator answered it when it came, but only after
+// release is closed; arrived says it came. Other requests go through.
+type holdOnce struct {
+	prefix  string
+	armed   atomic.Bool
+	once    sync.Once
+	arrived chan struct{}
+	release chan struct{}
+}
+
+func newHoldOnce(prefix string) *holdOnce {
+	return &holdOnce{prefix: prefix, arrived: make(chan struct{}, 1), release: make(chan struct{})}
+}
+
+func (h *holdOnce) intercept(sim *providersim.Sim) func(http.ResponseWriter, *http.Request) bool {
+	return func(w http.ResponseWriter, r *http.Request) bool {
+		if !h.armed.Load() || !strings.HasPrefix(r.URL.Path, h.prefix) {
+			return false
+		}
+		held := false
+		h.once.Do(func() { held = true })
+		if !held {
+			return false
+		}
+		rec := httptest.NewRecorder()
+		sim.ServeHTTP(rec, r) // the answer as it was when asked
+		h.arrived <- struct{}{}
+		<-h.release
+		w.WriteHeader(rec.Code)
+		w.Write(rec.Body.Bytes())
+		return true
+	}
+}
+
+func (h *holdOnce) await(t *testing.T) {
+	t.Helper()
+	select {
+	case <-h.arrived:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("no request to %s within 5s", h.prefix)
+	}
+}
+
+// A regular lists round that answers after a list update's own poll took
+// the new list does not put the old one back (it began before).
+func TestPollerLateListsRoundKeepsNewerList(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	hold := newHoldOnce("/api/iplist/http-auth/")
+	c := interceptClient(t, sim, 5*time.Second, hold.intercept(sim))
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services, c.Draws = []int{101}, drawn("http") }), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	pollAll(t, p)
+	hold.armed.Store(true)
+	round := make(chan error, 1)
+	go func() { round <- p.PollOnce(ctx, LoopLists) }()
+	hold.await(t) // the round has the old list in hand
+	fresh := []providersim.Entry{{Host: "10.0.9.1", Port: 8080, Login: "u", Password: "p"},
+		{Host: "10.0.9.2", Port: 8080, Login: "u", Password: "p"}, {Host: "10.0.9.3", Port: 8080, Login: "u", Password: "p"}}
+	sim.SetEntries(101, "http-auth", fresh) // the provider replaced the list
+	p.pollNewList(ctx, 101)
+	close(hold.release)
+	if err := <-round; err != nil {
+		t.Fatal(err)
+	}
+	if got := serviceByID(p.Snapshot(), 101).Lists["http-auth"]; len(got) != 3 || got[0].Host != "10.0.9.1" {
+		t.Errorf("after the late round: %+v, want the new list", got)
+	}
+}
+
+// Nor does a lists round that answers after a rotation put the session's
+// old exit IP back.
+func TestPollerLateStickyListKeepsRotation(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	hold := newHoldOnce("/api/sticky/list/")
+	c := interceptClient(t, sim, 5*time.Second, hold.intercept(sim))
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services, c.LookupHost = []int{102}, sim.LookupHost }), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	pollAll(t, p)
+	sessions := serviceByID(p.Snapshot(), 102).Sticky
+	if len(sessions) == 0 {
+		t.Fatal("no sticky sessions to rotate")
+	}
+	s0 := sessions[0]
+	hold.armed.Store(true)
+	round := make(chan error, 1)
+	go func() { round <- p.PollOnce(ctx, LoopLists) }()
+	hold.await(t) // the round has the sessions as they were
+	ip, err := p.Rotate(ctx, 102, s0.Server, s0.Session)
+	if err != nil || ip == "" || ip == s0.ExitIP {
+		t.Fatalf("rotation: %q, %v (was %s)", ip, err, s0.ExitIP)
+	}
+	close(hold.release)
+	if err := <-round; err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range serviceByID(p.Snapshot(), 102).Sticky {
+		if s.Server == s0.Server && s.Session == s0.Session && s.ExitIP != ip {
+			t.Errorf("session %s after the late round: exit %s, want the rotated %s", s.Session, s.ExitIP, ip)
+		}
+	}
+}
+
 // A usage round that asked for the rate before the account round said the
 // service is no ppr any more does not bring the figures back when its
 // answer comes after.
