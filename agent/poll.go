@@ -1276,10 +1276,11 @@ type pendingList struct {
 
 // confirm decides whether a fetched list of n entries, from a round begun
 // at at, replaces the last good one. An empty list, or one less than half
-// the last good one, is swapped in only when a later poll brings the same
-// size again: a passing [] must not empty the pool, and the provider
-// answers [] for what it holds inactive (an empty first answer is
-// confirmed too). When a last good size stands behind the list (this
+// the last good one, is swapped in only when a later poll says the same
+// again: empty again, or again less than half (its own size then, which
+// may have moved meanwhile, as a sticky session list's does): a passing
+// [] must not empty the pool, and the provider answers [] for what it
+// holds inactive (an empty first answer is confirmed too). When a last good size stands behind the list (this
 // process's, or the saved state's through Seed), and always when strict
 // (the caller knows something stands behind it that confirm cannot see),
 // the confirming round must begin at least minAge (confirmAge) after the
@@ -1298,11 +1299,17 @@ func (p *Poller) confirm(key string, n int, at time.Time, minAge time.Duration, 
 	prev, pending := p.pending[key]
 	switch {
 	case !suspicious:
-	case !pending || prev.n != n:
+	case !pending || (prev.n == 0) != (n == 0):
+		// The first such answer, or an empty one after a small one (or
+		// the reverse): it waits from now.
 		p.pending[key] = pendingList{n: n, at: at}
 		return false
 	case (seen || strict) && at.Before(prev.at.Add(minAge)):
-		return false // the same size again, but too soon to confirm it
+		// Far smaller (or empty) again, but too soon to confirm it; a
+		// size that changes meanwhile, as a sticky session list's does
+		// with the sessions' TTLs, is kept as the latest.
+		p.pending[key] = pendingList{n: n, at: prev.at}
+		return false
 	}
 	p.lastGood[key] = n
 	delete(p.pending, key)

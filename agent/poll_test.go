@@ -1303,6 +1303,58 @@ func TestPollerShrinkNotConfirmedEarly(t *testing.T) {
 	}
 }
 
+// A shrink that holds over a regular poll is confirmed though its size
+// moved meanwhile (a sticky session list's does, with the sessions'
+// TTLs), with the latest size; an empty answer after a small one is
+// another claim and waits from its own poll.
+func TestPollerShrinkOfMovingSizeConfirmed(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	var ten []providersim.Entry
+	for i := range 10 {
+		ten = append(ten, providersim.Entry{Host: fmt.Sprintf("10.0.1.%d", i+1), Port: 8080, Login: "u", Password: "p"})
+	}
+	clock := newFakeClock()
+	c, _ := countPaths(t, sim, clock, func(string) bool { return false }, "/api/iplist/http-auth/")
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
+		c.Services, c.Draws = []int{101}, drawn("http")
+		c.IPList, c.Jitter, c.Now = time.Minute, 0, clock.Now
+	}), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	entries := func() int { return len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]) }
+	sim.SetEntries(101, "http-auth", ten)
+	for _, l := range []Loop{LoopAccount, LoopLists} {
+		if err := p.PollOnce(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sim.SetEntries(101, "http-auth", ten[:2])
+	step(t, p, clock, LoopLists) // 1m: far smaller, held
+	if n := entries(); n != 10 {
+		t.Fatalf("a first shrink was swapped in: %d entries", n)
+	}
+	sim.SetEntries(101, "http-auth", ten[:3])
+	step(t, p, clock, LoopLists) // 2m: far smaller again, another size
+	if n := entries(); n != 3 {
+		t.Fatalf("a shrink that held for an ip_list was not confirmed: %d entries, want the latest 3", n)
+	}
+	sim.SetEntries(101, "http-auth", ten)
+	step(t, p, clock, LoopLists) // 3m: grown back
+	sim.SetEntries(101, "http-auth", ten[:2])
+	step(t, p, clock, LoopLists) // 4m: far smaller, held
+	sim.SetEntries(101, "http-auth", nil)
+	step(t, p, clock, LoopLists) // 5m: empty: a claim of its own
+	if n := entries(); n != 10 {
+		t.Fatalf("an empty answer confirmed a small one's claim: %d entries", n)
+	}
+	step(t, p, clock, LoopLists) // 6m: empty again
+	if n := entries(); n != 0 {
+		t.Errorf("the empty list held for an ip_list was not confirmed: %d entries", n)
+	}
+}
+
 // An empty service list is not polled again early, and not confirmed by a
 // poll a Kick (a reload, a service joining) brings forward: only by the
 // next regular one, an account interval later.
