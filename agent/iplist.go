@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode"
+	"unicode/utf8"
 )
 
 // MaxBadLines is how many unreadable lines an IPList keeps in BadLines.
@@ -61,9 +63,36 @@ func ParseIPList(body []byte, format string) (*IPList, error) {
 		p.lines(t)
 	}
 	if len(l.Entries) == 0 && l.Bad > 0 {
-		return l, fmt.Errorf("parsing ip list: no proxy in %d unreadable lines, the first %q", l.Bad, l.BadLines[0])
+		// The line's shape, not its text: it may hold a proxy password,
+		// and this error is logged.
+		return l, fmt.Errorf("parsing ip list: no proxy in %d unreadable lines, the first shaped %q (digits as 9, letters as a)",
+			l.Bad, lineShape(l.BadLines[0]))
 	}
 	return l, nil
+}
+
+// lineShape is line with each run of digits written 9 and each run of
+// other letters a: the layout of an unreadable list line, its separators
+// and fields, without the addresses, names or passwords it holds.
+func lineShape(line string) string {
+	var b strings.Builder
+	var last byte
+	for _, r := range line {
+		c := byte('a')
+		switch {
+		case r >= '0' && r <= '9':
+			c = '9'
+		case unicode.IsLetter(r):
+		case r < utf8.RuneSelf:
+			c = byte(r)
+		}
+		if (c == 'a' || c == '9') && c == last {
+			continue
+		}
+		b.WriteByte(c)
+		last = c
+	}
+	return b.String()
 }
 
 type listParser struct {

@@ -189,6 +189,23 @@ func TestParseIPListNothingReadable(t *testing.T) {
 	}
 }
 
+// The error of a list nothing could be read from is logged: it shows the
+// first line's layout, never its text, which may hold a proxy password.
+func TestParseIPListErrorHidesLineText(t *testing.T) {
+	_, err := ParseIPList([]byte("1.2.3.4:8080|PPR123|s3cretPass\r\n"), "txt")
+	if err == nil {
+		t.Fatal("want an error for a body without any proxy")
+	}
+	for _, secret := range []string{"s3cretPass", "PPR123", "1.2.3.4"} {
+		if strings.Contains(err.Error(), secret) {
+			t.Errorf("the error holds %q: %v", secret, err)
+		}
+	}
+	if !strings.Contains(err.Error(), `"9.9.9.9:9|a9|a9a"`) {
+		t.Errorf("the error does not show the line's shape: %v", err)
+	}
+}
+
 func TestParseIPListKeepsFirstFiveBad(t *testing.T) {
 	var b strings.Builder
 	for i := 0; i < 20; i++ {
