@@ -352,9 +352,13 @@ func New(cfg Config) (*Client, error) {
 		c.auth = "Basic " + cfg.Token
 		c.secrets = []string{cfg.Token}
 		if raw, err := base64.StdEncoding.DecodeString(cfg.Token); err == nil {
-			// A token made of base64(login:password): scrub the password too.
-			if _, pw, ok := strings.Cut(string(raw), ":"); ok && len(pw) >= minScrubLen && utf8.ValidString(pw) {
-				c.secrets = append(c.secrets, pw)
+			// A token made of base64(login:password), or of
+			// base64(login|password) as some of the provider's clients
+			// build it: scrub the password too.
+			if i := strings.IndexAny(string(raw), ":|"); i >= 0 {
+				if pw := string(raw[i+1:]); len(pw) >= minScrubLen && utf8.ValidString(pw) {
+					c.secrets = append(c.secrets, pw)
+				}
 			}
 		}
 	} else {

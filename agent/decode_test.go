@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"net/http"
@@ -359,6 +360,22 @@ func TestScrubEscapedCredential(t *testing.T) {
 		apiErr, err := resetAllError(t, token, status, `{"error":"bad token `+escaped+`"}`)
 		if strings.Contains(err.Error(), token) || strings.Contains(apiErr.Message, token) || strings.Contains(apiErr.Body, escaped) {
 			t.Errorf("status %d: the token is in the error: %v", status, err)
+		}
+	}
+}
+
+// A token that is base64 of the login and password, joined by ":" or by
+// "|" as some of the provider's clients build it, has its password
+// scrubbed from an answer that echoes it, as the token itself is.
+func TestScrubPasswordInsideToken(t *testing.T) {
+	const password = "hunter2secret"
+	for _, sep := range []string{":", "|"} {
+		token := base64.StdEncoding.EncodeToString([]byte("user@example.com" + sep + password))
+		apiErr, err := resetAllError(t, token, 400, `{"error":"bad credentials for user@example.com`+sep+password+`"}`)
+		for _, shown := range []string{err.Error(), apiErr.Message, apiErr.Body} {
+			if strings.Contains(shown, password) {
+				t.Errorf("joined by %q: the password shows in %q", sep, shown)
+			}
 		}
 	}
 }
