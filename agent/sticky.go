@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 )
 
@@ -76,17 +77,9 @@ func ParseStickyList(body []byte) (*StickyList, error) {
 			l.Sessions = append(l.Sessions, s)
 			return l, nil
 		}
-		// Records keyed by session id.
-		for _, k := range sortedKeys(obj) {
-			var rec map[string]json.RawMessage
-			if json.Unmarshal(obj[k], &rec) != nil {
-				return l, fmt.Errorf("parsing sticky sessions: %w", err)
-			}
-			s, _ := sessionFromObject(rec)
-			if s.Session == "" {
-				s.Session = k
-			}
-			l.Sessions = append(l.Sessions, s)
+		l.keyed(obj, true)
+		if len(l.Sessions) == 0 && l.Skipped > 0 {
+			return l, fmt.Errorf("parsing sticky sessions: none of the %d values is a session record", l.Skipped)
 		}
 		return l, nil
 	}
@@ -116,6 +109,29 @@ func ParseStickyList(body []byte) (*StickyList, error) {
 		return l, fmt.Errorf("parsing sticky sessions: none of the %d elements is a session record", l.Skipped)
 	}
 	return l, nil
+}
+
+// keyed appends the session records of obj, keyed by session id. A value
+// that is no object (a count, a status beside the records) is skipped.
+// With wrapped, a key such as "sessions" (wrapKeys) whose object holds no
+// record field is a wrapper of such records, read the same way.
+func (l *StickyList) keyed(obj map[string]json.RawMessage, wrapped bool) {
+	for _, k := range sortedKeys(obj) {
+		var rec map[string]json.RawMessage
+		if json.Unmarshal(obj[k], &rec) != nil || rec == nil {
+			l.Skipped++
+			continue
+		}
+		s, ok := sessionFromObject(rec)
+		if !ok && wrapped && slices.ContainsFunc(wrapKeys[:], func(w string) bool { return strings.EqualFold(w, k) }) {
+			l.keyed(rec, false)
+			continue
+		}
+		if s.Session == "" {
+			s.Session = k
+		}
+		l.Sessions = append(l.Sessions, s)
+	}
 }
 
 // sessionFromObject reads a session record; ok reports whether any known
