@@ -44,7 +44,11 @@ func decodeArray(body []byte) ([]json.RawMessage, error) {
 			if raw, ok := lookupFold(obj, key); ok {
 				raw = bytes.TrimSpace(raw)
 				if len(raw) > 0 && (raw[0] == '[' || raw[0] == '{' || string(raw) == "null") {
-					return decodeArray(raw)
+					elems, err := decodeArray(raw)
+					if err == nil && len(elems) == 0 && emptyBesideError(obj) {
+						return nil, errors.New("an empty list beside the provider's error")
+					}
+					return elems, err
 				}
 			}
 		}
@@ -58,6 +62,14 @@ func decodeArray(body []byte) ([]json.RawMessage, error) {
 		return elems, nil
 	}
 	return nil, fmt.Errorf("expected a list, got %q", excerpt(body, maxValueExcerpt))
+}
+
+// emptyBesideError reports whether a wrapper object whose list is empty
+// carries the provider's error message too ({"data": [], "error": "Service
+// is not active"}): the list is not known to be empty, and must not empty
+// what proxyd holds.
+func emptyBesideError(obj map[string]json.RawMessage) bool {
+	return stringField(obj, "error") != ""
 }
 
 // decodeList decodes a JSON list of objects into []T through decodeArray.

@@ -126,6 +126,21 @@ func TestTypedEndpointsTolerant(t *testing.T) {
 	if err != nil || len(ips) != 0 {
 		t.Errorf("NetworkInactive(null) = %q, %v", ips, err)
 	}
+	// An empty list beside the provider's error is no empty list: it must
+	// not bring the errored IPs back. Beside no error, or with entries, it
+	// is a list.
+	if ips, err = call(`{"data":[],"error":"Service is not active"}`).NetworkErrors(ctx, 101); err == nil || !strings.Contains(err.Error(), "Service is not active") {
+		t.Errorf("NetworkErrors(empty beside an error) = %q, %v; want an error", ips, err)
+	}
+	if ips, err = call(`{"data":[],"error":null}`).NetworkErrors(ctx, 101); err != nil || len(ips) != 0 {
+		t.Errorf("NetworkErrors(empty, error null) = %q, %v", ips, err)
+	}
+	if ips, err = call(`{"data":["10.0.0.1"],"error":"partial"}`).NetworkErrors(ctx, 101); err != nil || len(ips) != 1 {
+		t.Errorf("NetworkErrors(entries beside an error) = %q, %v", ips, err)
+	}
+	if l, err := ParseIPList([]byte(`{"result":null,"error":"Unprocessable Entity"}`), "json"); err == nil {
+		t.Errorf("IP list of nothing beside an error: %+v, want an error", l)
+	}
 	credit, err := call(`{"credit":"100.00"}`).Credit(ctx)
 	if err != nil || credit != 100 {
 		t.Errorf("Credit = %v, %v", credit, err)

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bytes"
+	"errors"
 	"encoding/json"
 	"fmt"
 	"net/netip"
@@ -61,6 +62,9 @@ func ParseIPList(body []byte, format string) (*IPList, error) {
 		p.jsonStream(t)
 	default:
 		p.lines(t)
+	}
+	if obj, ok := jsonObject(t); ok && len(l.Entries) == 0 && emptyBesideError(obj) {
+		return l, errors.New("parsing ip list: an empty list beside the provider's error")
 	}
 	if len(l.Entries) == 0 && l.Bad > 0 {
 		// The line's shape, not its text: it may hold a proxy password,
