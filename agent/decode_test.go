@@ -235,6 +235,9 @@ func TestRefusalIn200Answer(t *testing.T) {
 			"update_list: Too Many Attempts (updateList). Next update possible: 2026-11-21 11:40:05"},
 		{`{"setip":{"success":"IP address updated successfully"},"password":{"error":"Unprocessable Entity "}}`, []string{"update"},
 			"password: Unprocessable Entity"},
+		// A "success" that says no is a refusal, with the error or the word.
+		{`{"success":false,"error":"Session not found"}`, all, "Session not found"},
+		{`{"success":"0"}`, all, "success: 0"},
 	} {
 		srv, _ := serve(t, 200, tc.body)
 		for name, call := range changingCalls(newTestClient(t, srv.URL)) {

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -123,9 +124,9 @@ func decodeError(status int, route string, body []byte) *APIError {
 // {"error": "..."} refuses the call too, and the message names the
 // action. A body that is no JSON object is a success, and so is an object
 // whose "error" is blank, a word for "no error" ("0", "false", "none",
-// ...), or stands beside a "success" key: the success bodies of the
-// sticky calls are not public, and a success that also carries such a
-// field must not be taken for a refusal.
+// ...), or stands beside a "success" key that does not say no: the
+// success bodies of the sticky calls are not public, and a success that
+// also carries such a field must not be taken for a refusal.
 func refusal(status int, route string, body []byte, actions ...string) *APIError {
 	obj, ok := jsonObject(body)
 	if !ok {
@@ -154,14 +155,24 @@ func refusal(status int, route string, body []byte, actions ...string) *APIError
 }
 
 // refusedIn is the one-line "error" message of obj when obj is a refusal
-// (see refusal), else "".
+// (see refusal), else "". A "success" that says no (false, 0, "false",
+// "no") makes a refusal, with the error message or, without one, that
+// word.
 func refusedIn(obj map[string]json.RawMessage) string {
-	if _, ok := lookupFold(obj, "success"); ok {
-		return ""
-	}
 	msg := oneLine(stringField(obj, "error"))
 	switch strings.ToLower(msg) {
 	case "0", "false", "no", "none", "null", "ok", "n/a":
+		msg = ""
+	}
+	if raw, ok := lookupFold(obj, "success"); ok {
+		var word string
+		if json.Unmarshal(raw, &word) != nil {
+			word = string(bytes.TrimSpace(raw))
+		}
+		switch strings.ToLower(strings.TrimSpace(word)) {
+		case "false", "0", "no":
+			return cmp.Or(msg, "success: "+word)
+		}
 		return ""
 	}
 	return msg
