@@ -469,8 +469,13 @@ func (c *Client) send(req *http.Request) (int, http.Header, []byte, error) {
 	if int64(len(b)) > c.maxBody {
 		return 0, nil, nil, fmt.Errorf("%w (%d bytes)", ErrBodyTooLarge, c.maxBody)
 	}
-	return resp.StatusCode, resp.Header, b, nil
+	return resp.StatusCode, resp.Header, trimBOM(b), nil
 }
+
+// trimBOM drops a UTF-8 byte order mark that starts body, which a PHP
+// backend may put before any answer (a source file saved with one) and
+// JSON decoders refuse.
+func trimBOM(body []byte) []byte { return bytes.TrimPrefix(body, []byte("\xef\xbb\xbf")) }
 
 // retryAfter reads a Retry-After header (seconds or an HTTP date) as a UTC
 // time; zero if absent or unreadable. The provider's 429 message is

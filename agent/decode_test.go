@@ -145,6 +145,10 @@ func TestTypedEndpointsTolerant(t *testing.T) {
 	if err != nil || credit != 100 {
 		t.Errorf("Credit = %v, %v", credit, err)
 	}
+	// A byte order mark before the JSON (a PHP source file saved with one).
+	if credit, err = call("\xef\xbb\xbf" + `{"credit":"7.50"}`).Credit(ctx); err != nil || credit != 7.5 {
+		t.Errorf("Credit after a BOM = %v, %v", credit, err)
+	}
 	inv, err := call(`[{"id":"1","description":"x","status":"Paid","created_at":"2026-11-01","amount":"10.00","date_refunded":"0000-00-00","date_paid":"","paymentmethod":"credit","serviceid":"101"}]`).Invoices(ctx)
 	if err != nil || len(inv) != 1 || inv[0].Amount != 10 || inv[0].ServiceID != 101 || !inv[0].DateRefunded.IsZero() || !inv[0].DatePaid.IsZero() {
 		t.Errorf("Invoices = %+v, %v", inv, err)

@@ -50,7 +50,7 @@ func ParseIPList(body []byte, format string) (*IPList, error) {
 	default:
 		return l, fmt.Errorf("parsing ip list: unknown format %q", excerpt([]byte(format), maxValueExcerpt))
 	}
-	t := bytes.TrimSpace(bytes.TrimPrefix(body, []byte("\xef\xbb\xbf")))
+	t := bytes.TrimSpace(trimBOM(body)) // a body from elsewhere than Client may have one too
 	if len(t) == 0 || string(t) == "null" {
 		return l, nil
 	}
