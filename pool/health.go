@@ -95,11 +95,11 @@ func (p *Pool) Report(u *Upstream, r Result, took time.Duration) {
 	switch {
 	case r == Success:
 		h.observe(took)
-		p.succeeded(h)
+		p.succeeded(h, u.trial)
 	case r.UpstreamFault():
-		p.failed(h, r)
+		p.failed(h, r, u.trial)
 	default: // destination errors and cancellations say nothing about the upstream
-		if h.ejectedUntil.Load() != 0 {
+		if u.trial {
 			h.trial.Store(false) // let another connection decide
 		}
 	}
@@ -141,7 +141,12 @@ func (h *host) observe(took time.Duration) {
 	}
 }
 
-func (p *Pool) succeeded(h *host) {
+// succeeded is the rule for a success through h, of a connection (trial:
+// the one trial of its ejection) or of a probe holding the trial claim.
+// The trial's success ends the ejection; so does any other that comes once
+// the ejection is over (a connection picked before it, whose handshake
+// took that long, still shows the upstream works), never one within it.
+func (p *Pool) succeeded(h *host, trial bool) {
 	if h.consec.Load() != 0 {
 		h.consec.Store(0)
 	}
@@ -154,8 +159,8 @@ func (p *Pool) succeeded(h *host) {
 	}
 	now := p.now().UnixNano()
 	if until != 0 {
-		if now >= until {
-			p.readmit(h, now) // the trial (or any connection after the ejection) worked
+		if trial || now >= until {
+			p.readmit(h, now)
 		}
 		return
 	}
@@ -170,13 +175,14 @@ func (p *Pool) succeeded(h *host) {
 // (Report) or by an active probe: counted, one more consecutive failure,
 // a rotation asked for if h stands for a ppr sticky session, and then
 // ejection at the threshold, or a new ejection when the failure was the
-// trial of a probing h (a connection or a probe holding its trial claim).
-func (p *Pool) failed(h *host, r Result) {
+// trial of a probing h (trial: a connection or a probe holding its trial
+// claim).
+func (p *Pool) failed(h *host, r Result, trial bool) {
 	p.countFailure(h, r)
 	c := h.consec.Add(1)
 	p.requestRotate(h.sess.Load(), h, r) // if it stands for a ppr sticky session
-	if until := h.ejectedUntil.Load(); until != 0 {
-		if h.trial.Load() && p.now().UnixNano() >= until {
+	if h.ejectedUntil.Load() != 0 {
+		if trial {
 			p.reeject(h) // the trial failed
 		}
 		return // a late report of a connection picked before the ejection

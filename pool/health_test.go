@@ -871,3 +871,67 @@ func TestFailedProbeTakesTheConnectionFailurePath(t *testing.T) {
 		t.Errorf("after a failed probe as the trial: %+v, Failure hook told %d", s, hooked.Load())
 	}
 }
+
+// Only the trial connection's own report decides the trial: a late
+// failure or cancellation of a connection picked before the ejection
+// neither ejects the upstream again nor frees the trial for a second
+// connection; the trial's success ends the ejection.
+func TestOnlyTheTrialDecides(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Rand: midRand})
+	set := ups(1, 2)
+	p.Update(set)
+	// Two connections picked on the upstream before it is ejected.
+	early := pickUntil(t, p, Request{}, set[0].ID())
+	early2 := pickUntil(t, p, Request{}, set[0].ID())
+	fail(p, handle(p, set[0]), 3)
+	s := stateOf(t, p, set[0].ID())
+	if s.State != Ejected {
+		t.Fatalf("after 3 failures: %s", s.State)
+	}
+	clk.Advance(s.EjectedUntil.Sub(clk.Now()))
+	trial := pickUntil(t, p, Request{}, set[0].ID())
+	p.Report(early, HandshakeTimeout, time.Second) // late: its verdict came now
+	p.Release(early, Request{})
+	p.Report(early2, Canceled, 0)
+	p.Release(early2, Request{})
+	if s := stateOf(t, p, set[0].ID()); s.State != Probing || s.Ejections != 1 {
+		t.Errorf("after late reports of earlier connections: %s with %d ejections, want probing with 1", s.State, s.Ejections)
+	}
+	for range 10 {
+		if u := pickReport(t, p, Request{}, Success); u.ID() == set[0].ID() {
+			t.Fatal("a second connection got the upstream while its trial was out")
+		}
+	}
+	p.Report(trial, Success, time.Millisecond)
+	p.Release(trial, Request{})
+	if s := stateOf(t, p, set[0].ID()); s.State != Healthy {
+		t.Errorf("after the trial's success: %s", s.State)
+	}
+}
+
+// A pick that found the upstream eligible just before it was ejected does
+// not claim the trial of that ejection (which would leave the upstream
+// probing with no trial out once the ejection ended): take refuses it.
+func TestTakeRefusesAnUpstreamEjectedMeanwhile(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Rand: midRand})
+	set := ups(1, 2)
+	p.Update(set)
+	h := handle(p, set[0]).h
+	f := filter{clock: p.fastNow}
+	if !f.eligible(h) {
+		t.Fatal("a healthy upstream is not eligible")
+	}
+	fail(p, handle(p, set[0]), 3) // ejected between the filter and the claim
+	if u := take(h, &f); u != nil {
+		t.Fatalf("take handed out %s, ejected since the filter passed it", u.ID())
+	}
+	if h.trial.Load() || h.inFlight.Load() != 0 {
+		t.Errorf("after the refused take: trial %v, in flight %d", h.trial.Load(), h.inFlight.Load())
+	}
+	clk.Advance(time.Hour)
+	if u := pickUntil(t, p, Request{}, set[0].ID()); !u.trial {
+		t.Error("the pick after the ejection is not its trial")
+	}
+}

@@ -142,7 +142,7 @@ func (p *Pool) probeOnce(ctx context.Context) {
 			// Within the ejection it only says the upstream is still down:
 			// counted nowhere (probe traffic must not inflate the failure
 			// metrics, nor ask for a rotation that would end the ejection).
-			p.failed(h, r)
+			p.failed(h, r, true)
 			h.trial.Store(false) // the probe's claim, if the failure left it
 		default:
 			h.trial.Store(false)

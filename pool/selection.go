@@ -43,14 +43,26 @@ func (f *filter) eligible(h *host) bool {
 	return true
 }
 
-// take claims h for one connection; it fails when another connection won
-// h's trial first.
-func take(h *host) bool {
-	if h.ejectedUntil.Load() != 0 && !h.trial.CompareAndSwap(false, true) {
-		return false
+// take claims h for one connection, found eligible by f, and returns the
+// upstream to hand out: h's, counted in flight, or past an ejection, as its
+// one trial, a copy that says so (Upstream.trial). It returns nil when h
+// was ejected since f found it eligible (its trial comes only once that
+// ejection is over), or another connection won its trial first.
+func take(h *host, f *filter) *Upstream {
+	u := h.cur.Load()
+	if until := h.ejectedUntil.Load(); until != 0 {
+		if f.now == 0 {
+			f.now = f.clock()
+		}
+		if f.now < until || !h.trial.CompareAndSwap(false, true) {
+			return nil
+		}
+		c := *u
+		c.trial = true
+		u = &c
 	}
 	h.inFlight.Add(1)
-	return true
+	return u
 }
 
 // The strategies are pure functions over a slice's members: they return the
@@ -234,18 +246,19 @@ func (p *Pool) band(sl *slice, quota, stale bool) *band {
 	return nb
 }
 
-// choose runs the strategy over sl and claims the chosen host. Upstreams of
-// services in quota serve only when nothing else can.
-func (p *Pool) choose(sl *slice, f *filter) *host {
+// choose runs the strategy over sl, claims the chosen host and returns
+// what take handed out. Upstreams of services in quota serve only when
+// nothing else can.
+func (p *Pool) choose(sl *slice, f *filter) *Upstream {
 	f.quota = false
-	if h := p.chooseOnce(sl, f); h != nil || !p.anyQuot.Load() {
-		return h
+	if u := p.chooseOnce(sl, f); u != nil || !p.anyQuot.Load() {
+		return u
 	}
 	f.quota = true
 	return p.chooseOnce(sl, f)
 }
 
-func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
+func (p *Pool) chooseOnce(sl *slice, f *filter) *Upstream {
 	cfg := p.cfg.Load()
 	for range 4 { // take fails only when another connection won a trial
 		hs := sl.members
@@ -276,8 +289,8 @@ func (p *Pool) chooseOnce(sl *slice, f *filter) *host {
 		if i < 0 {
 			return nil
 		}
-		if h := hs[i]; take(h) {
-			return h
+		if u := take(hs[i], f); u != nil {
+			return u
 		}
 	}
 	return nil

@@ -51,6 +51,11 @@ type Upstream struct {
 	StatusIP string
 
 	h *host // owned by the pool; nil on upstreams that no pool handed out
+	// trial: this pick holds h's one trial connection after an ejection
+	// (Pick hands a copy of h's upstream to the pick that claims it), so
+	// that only its Report decides, not a late one of a connection picked
+	// before the ejection.
+	trial bool
 }
 
 // UnservedSession is a ppr sticky session that the provider lists but no
