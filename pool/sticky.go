@@ -242,6 +242,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 	idle := int64(cfg.StickyIdle)
 	rotated := false // the key's session just rotated: its new exit IP is worth trying again
 	waited := false
+	synced := false // waited for a rotation's end to clear its bit
 	for {
 		now := p.fastNow()
 		f := filter{avoid: req.Avoid, clock: p.fastNow, now: now}
@@ -253,43 +254,48 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 			if rotated {
 				fh.avoid = nil
 			}
-			if fh.eligible(h) && take(h) {
-				return sh.held(e, h)
+			if fh.eligible(h) {
+				if u := take(h, &fh); u != nil {
+					return sh.held(e, u)
+				}
 			}
-			if r := h.rotation(); r != nil && !waited {
+			if r := h.rotation(); r != nil || h.flags.Load()&fRotating != 0 && !synced {
 				sh.mu.Unlock()
-				done, err := p.waitRotation(ctx, r, cfg.RotateWait)
-				if err != nil {
-					return nil, err
+				if r == nil {
+					// Its rotation is ending: the bit goes under Pool.mu
+					// once the rotation is gone. Past that, again (once:
+					// a bit that outlived its rotation is no rotation).
+					p.mu.Lock()
+					p.mu.Unlock()
+					synced = true
+					continue
 				}
-				waited = true
-				if !done {
-					// The rotation takes too long: another session of
-					// its service for this connection only (or, where
-					// the service has none to give, another upstream of
-					// the listener); the key stays on h.
-					u, err := p.pickOnce(sl, req.Avoid, h, h.cur.Load().Service)
+				if !waited {
+					done, err := p.waitRotation(ctx, r, cfg.RotateWait)
 					if err != nil {
-						u, err = p.pickOnce(sl, req.Avoid, h, 0)
+						return nil, err
 					}
-					if err == nil {
-						p.holdKey(k, h)
+					waited = true
+					if done {
+						rotated = r.ok
+						continue
 					}
-					return u, err
 				}
-				rotated = r.ok
-				continue
+				// The rotation takes too long, or another began as the
+				// one waited for ended: the key stays on h, and this
+				// connection goes elsewhere.
+				return p.fallback(sl, req, k, h)
 			}
-			if fq := (filter{avoid: fh.avoid, quota: true, clock: p.fastNow, now: now}); fq.eligible(h) {
+			if fq := (filter{avoid: fh.avoid, quota: true, clock: p.fastNow, now: now}); h.flags.Load()&fQuota != 0 && fq.eligible(h) {
 				// Only its service's quota keeps h out: move only if
 				// another service can serve.
 				alt := filter{avoid: req.Avoid, clock: p.fastNow, now: now}
 				if a := p.chooseOnce(sl, &alt); a != nil {
-					e.h = a
+					e.h = a.h
 					return sh.held(e, a)
 				}
-				if take(h) {
-					return sh.held(e, h)
+				if u := take(h, &fq); u != nil {
+					return sh.held(e, u)
 				}
 			}
 			if fa := (filter{quota: true, clock: p.fastNow, now: now}); fa.eligible(h) {
@@ -303,26 +309,44 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 			}
 		}
 		// A new key, or its upstream stopped being usable: (re)assign.
-		h := p.choose(sl, &f)
-		if h == nil {
+		u := p.choose(sl, &f)
+		if u == nil {
 			sh.mu.Unlock()
 			return nil, ErrNoUpstream
 		}
 		if e != nil {
-			e.h = h
-			return sh.held(e, h)
+			e.h = u.h
+			return sh.held(e, u)
 		}
-		sh.add(k, hash, h, now, p.sticky.perShard.Load())
+		sh.add(k, hash, u.h, now, p.sticky.perShard.Load())
 		sh.mu.Unlock()
-		return h.cur.Load(), nil
+		return u, nil
 	}
 }
 
-// held holds e for a pick of h, unlocks the shard and returns the pick.
-func (s *stickyShard) held(e *stickyEntry, h *host) (*Upstream, error) {
+// fallback serves a connection of key k, whose session h is rotating,
+// with another upstream for this connection only: another session of its
+// service that is not at its quota, else another upstream of the listener
+// (those at quota last). The key stays on h.
+func (p *Pool) fallback(sl *slice, req Request, k stickyKey, h *host) (*Upstream, error) {
+	f := filter{avoid: req.Avoid, skip: h, service: h.cur.Load().Service, clock: p.fastNow}
+	u := p.chooseOnce(sl, &f)
+	if u == nil {
+		var err error
+		if u, err = p.pickOnce(sl, req.Avoid, h, 0); err != nil {
+			return nil, err
+		}
+	}
+	p.holdKey(k, h)
+	return u, nil
+}
+
+// held holds e for a pick that took u, unlocks the shard and returns the
+// pick.
+func (s *stickyShard) held(e *stickyEntry, u *Upstream) (*Upstream, error) {
 	s.hold(e)
 	s.mu.Unlock()
-	return h.cur.Load(), nil
+	return u, nil
 }
 
 // holdKey holds k's entry for a pick made with its shard unlocked,
@@ -344,11 +368,11 @@ func (p *Pool) holdKey(k stickyKey, h *host) {
 // keeps the pick to that service's upstreams.
 func (p *Pool) pickOnce(sl *slice, avoid []string, skip *host, service int) (*Upstream, error) {
 	f := filter{avoid: avoid, skip: skip, service: service, clock: p.fastNow}
-	h := p.choose(sl, &f)
-	if h == nil {
+	u := p.choose(sl, &f)
+	if u == nil {
 		return nil, ErrNoUpstream
 	}
-	return h.cur.Load(), nil
+	return u, nil
 }
 
 // waitRotation waits for r up to bound; done is false when the bound passed

@@ -3,6 +3,8 @@ package pool
 import (
 	"context"
 	"fmt"
+	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -332,4 +334,129 @@ func TestStickyFallbackHoldsTheKey(t *testing.T) {
 	}
 	p.Report(u, Success, time.Millisecond)
 	p.Release(u, Request{Key: key})
+}
+
+// A key whose session rotates again and again stays on it: a pick that
+// comes as a rotation ends (its bit not yet cleared) waits for the end
+// and tries again, and never reassigns the key. Picks race rotations
+// here, as a busy key's do.
+func TestStickyKeyStaysAcrossRotationEnds(t *testing.T) {
+	clk := newClock()
+	rot := &fakeRotator{fn: func(context.Context, string) (string, error) { return "203.0.113.200", nil }}
+	p := newTestPool(t, conf(func(c *Config) {
+		c.RotateInterval, c.RotateWait, c.FailureThreshold = 0, 0, 1000000
+	}), Options{Now: clk.Now, Rand: midRand, Rotator: rot})
+	ss := sessions(7, 2, "192.0.2.1")
+	p.Update(append(ss, ups(8, 2)...))
+	key := stickyOn(t, p, ss[0].ID())
+	u := handle(p, ss[0])
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { // the session keeps failing: a rotation after each
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			u.h.inFlight.Add(1)
+			p.Report(u, DialRefused, time.Millisecond)
+			p.Release(u, Request{})
+			runtime.Gosched()
+		}
+	}()
+	deadline := time.Now().Add(2 * time.Second)
+	for i := 0; i < 50000 && time.Now().Before(deadline); i++ {
+		req := Request{Key: key}
+		g, err := p.Pick(context.Background(), req)
+		if err != nil {
+			continue
+		}
+		p.Report(g, Canceled, 0)
+		p.Release(g, req)
+		if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
+			close(stop)
+			<-done
+			t.Fatalf("pick %d: the key left its rotating session for %v", i, h)
+		}
+	}
+	close(stop)
+	<-done
+}
+
+// A pick that waited for its key's rotation, and finds another begun as
+// that one ended, does not wait again nor move the key: this connection
+// goes elsewhere, the key stays on its session.
+func TestStickyKeyStaysWhenAnotherRotationFollows(t *testing.T) {
+	clk := newClock()
+	gate := make(chan struct{})
+	rot := &fakeRotator{fn: func(ctx context.Context, _ string) (string, error) {
+		select {
+		case <-gate:
+			return "203.0.113.200", nil
+		case <-ctx.Done():
+			return "", ctx.Err()
+		}
+	}}
+	var p *Pool
+	var again atomic.Pointer[func()]
+	p = newTestPool(t, conf(func(c *Config) {
+		c.RotateInterval, c.RotateWait, c.FailureThreshold = 0, 5*time.Second, 1000000
+	}), Options{Now: clk.Now, Rand: midRand, Rotator: rot, Hooks: Hooks{Rotated: func(int, string) {
+		if f := again.Swap(nil); f != nil {
+			(*f)() // as the first rotation ends, the session fails again
+		}
+	}}})
+	defer close(gate)
+	ss := sessions(7, 2, "192.0.2.1")
+	p.Update(append(ss, ups(8, 2)...))
+	for i := range 20 {
+		key := stickyOn(t, p, ss[0].ID())
+		u := handle(p, ss[0])
+		fail(p, u, 1) // rotation 1
+		got := pickLater(t, p, Request{Key: key})
+		r := rotationOf(u)
+		waitFor(t, "the key's pick to wait", func() bool { return r.waiting.Load() == 1 })
+		next := func() { fail(p, handle(p, ss[0]), 1) } // rotation 2
+		again.Store(&next)
+		gate <- struct{}{}
+		g := <-got
+		if g == nil {
+			t.Fatal("no pick")
+		}
+		p.Report(g, Canceled, 0)
+		p.Release(g, Request{Key: key})
+		if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
+			t.Fatalf("round %d: the key moved to %v", i, h)
+		}
+		gate <- struct{}{} // rotation 2 ends
+		waitFor(t, "rotation 2 to end", func() bool { return rotationOf(handle(p, ss[0])) == nil })
+	}
+}
+
+// The connection of a key whose session rotates too long goes to another
+// session of its service, unless that service is at its quota while
+// another can serve.
+func TestStickyFallbackMindsQuota(t *testing.T) {
+	clk := newClock()
+	rot := &fakeRotator{fn: func(ctx context.Context, _ string) (string, error) {
+		<-ctx.Done() // never answers; Run's end cancels it
+		return "", ctx.Err()
+	}}
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = 10 * time.Millisecond }), Options{Now: clk.Now, Rand: midRand, Rotator: rot})
+	ss := sessions(7, 2, "192.0.2.1")
+	p.Update(append(ss, ups(8, 2)...))
+	key := stickyOn(t, p, ss[0].ID())
+	p.SetUsage(7, 100, 100)      // service 7 at its quota; the key stays on its session
+	fail(p, handle(p, ss[0]), 1) // its rotation starts, and never ends
+	g := mustPick(t, p, Request{Key: key})
+	if g.Service == 7 {
+		t.Errorf("the fallback took %s of the service at its quota while service 8 can serve", g.ID())
+	}
+	p.Report(g, Canceled, 0)
+	p.Release(g, Request{Key: key})
+	if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
+		t.Errorf("the key moved to %v", h)
+	}
 }
