@@ -326,7 +326,8 @@ func sameUpstream(a, b *Upstream) bool {
 // drain: no new connections, and they leave once none is in flight.
 // Duplicate IDs keep the first. Each upstream that joins or leaves gets an
 // event (added, removed), and one that joins on a provider's list gets that
-// list's event too. The unserved sessions replace those of the last Update:
+// list's event too, as does one that stays and moves on or off a list
+// (the address the lists name it by changed). The unserved sessions replace those of the last Update:
 // they serve no connection, and are rotated when their exit IP is errored.
 func (p *Pool) Update(ups []Upstream, unserved ...UnservedSession) {
 	p.mu.Lock()
@@ -339,6 +340,7 @@ func (p *Pool) Update(ups []Upstream, unserved ...UnservedSession) {
 	var buf []byte
 	var st serviceStatus
 	var rotate []*host
+	var moved []providerChange
 	for i := range ups {
 		u := &ups[i]
 		buf = appendID(buf[:0], u)
@@ -378,8 +380,14 @@ func (p *Pool) Update(ups []Upstream, unserved ...UnservedSession) {
 		if st.service != u.Service || !st.valid {
 			st = p.statusOf(u.Service)
 		}
+		before := h.flags.Load()
 		if st.apply(h) {
 			rotate = append(rotate, h)
+		}
+		if fresh[h.id] != h && providerState(before) != providerState(h.flags.Load()) {
+			// Kept, and now named otherwise by the status lists (its
+			// StatusIP moved): its provider state changed here.
+			moved = append(moved, providerChange{h, before})
 		}
 	}
 	p.unserved = p.unserved[:0]
@@ -424,6 +432,9 @@ func (p *Pool) Update(ups []Upstream, unserved ...UnservedSession) {
 				p.recordProvider(h, 0, h.flags.Load())
 			}
 		}
+	}
+	for _, c := range moved {
+		p.recordProvider(c.h, c.before, c.h.flags.Load())
 	}
 	for _, h := range removed {
 		p.record(EventRemoved, h.id, h.cur.Load().Service, "")
@@ -557,6 +568,12 @@ func providerState(f uint32) EventKind {
 		return EventProviderError
 	}
 	return ""
+}
+
+// providerChange is a host's provider flags before a change.
+type providerChange struct {
+	h      *host
+	before uint32
 }
 
 // recordProvider records h's provider event for a change of its flags from

@@ -555,4 +555,14 @@ func TestGatewayByNameLeavesOnItsIP(t *testing.T) {
 	if s := stateOf(t, p, other.ID()); s.State != ProviderError {
 		t.Errorf("gateway once its IP is known: state = %s", s.State)
 	}
+	// The changes a refresh makes are events, as any other way on or off
+	// the lists is: errored while its IP was known (SetProviderStatus),
+	// off when the refresh lost the IP, on again when it learned it.
+	var kinds []EventKind
+	for _, e := range p.events.Events(EventFilter{Upstream: other.ID()}) {
+		kinds = append([]EventKind{e.Kind}, kinds...) // oldest first
+	}
+	if want := []EventKind{EventAdded, EventProviderError, EventProviderOK, EventProviderError}; !slices.Equal(kinds, want) {
+		t.Errorf("events of %s: %v, want %v", other.ID(), kinds, want)
+	}
 }
