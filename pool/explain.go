@@ -69,7 +69,7 @@ func (p *Pool) Explain() Explanation {
 		return cmp.Or(a.Service-b.Service, strings.Compare(a.Server, b.Server), strings.Compare(a.Session, b.Session))
 	})
 	now := p.now()
-	ns := now.UnixNano()
+	ns := p.nanos(now)
 	x := Explanation{Updated: s.updated.UTC(), Upstreams: make([]UpstreamExplanation, 0, len(hosts)), Unserved: unserved}
 	x.Listeners = p.listenersOf(s, ns)
 	slices.SortFunc(hosts, func(a, b *host) int { return strings.Compare(a.id, b.id) })
@@ -83,7 +83,7 @@ func (p *Pool) Explain() Explanation {
 			Ejections: h.ejections.Load(), InFlight: h.inFlight.Load(),
 		}
 		if until := h.ejectedUntil.Load(); until != 0 && st == Ejected {
-			t := time.Unix(0, until).UTC()
+			t := now.Add(time.Duration(until - ns)).UTC() // the wall time the ejection ends at, from now
 			ue.EjectedUntil = &t
 		}
 		x.Upstreams = append(x.Upstreams, ue)
@@ -95,7 +95,7 @@ func (p *Pool) Explain() Explanation {
 // counts and the panic flag, without walking the upstreams' details or
 // sorting them; for /readyz and metrics.
 func (p *Pool) Listeners() []ListenerExplanation {
-	return p.listenersOf(p.snap.Load(), p.now().UnixNano())
+	return p.listenersOf(p.snap.Load(), p.mono())
 }
 
 func (p *Pool) listenersOf(s *snapshot, ns int64) []ListenerExplanation {

@@ -157,7 +157,7 @@ func (p *Pool) succeeded(h *host, trial bool) {
 	if until == 0 && h.streak.Load() == 0 {
 		return
 	}
-	now := p.now().UnixNano()
+	now := p.mono()
 	if until != 0 {
 		if trial || now >= until {
 			p.readmit(h, now)
@@ -267,7 +267,7 @@ func (p *Pool) fitCaps(cfg *Config, s *snapshot) []*host {
 			}
 		}
 		slices.SortStableFunc(outs, func(a, b out) int { return cmp.Compare(a.until, b.until) })
-		now := p.now().UnixNano()
+		now := p.mono()
 		for _, o := range outs[:min(over, int64(len(outs)))] {
 			h, u := o.h, o.h.cur.Load()
 			endEjection(s, h, u, now) // back in as a re-admission is
@@ -375,7 +375,7 @@ func (p *Pool) reeject(h *host) {
 // between, whose connection would hold the trial of the new ejection.
 func (p *Pool) startEjection(cfg *Config, h *host) {
 	k := h.streak.Add(1)
-	h.ejectedUntil.Store(p.now().UnixNano() + int64(p.ejectDuration(cfg, int(k))))
+	h.ejectedUntil.Store(p.mono() + int64(p.ejectDuration(cfg, int(k))))
 	h.trial.Store(false)
 	h.ejections.Add(1)
 }

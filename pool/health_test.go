@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -699,7 +700,7 @@ func TestHangingProbeDoesNotStopRun(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("no probe started")
 	}
-	since := time.Now().UnixNano()
+	since := p.nanos(time.Now())
 	waitFor(t, "the clock to move on while a probe hangs", func() bool {
 		return p.tick.Load() > since+int64(3*tickEvery)
 	})
@@ -859,7 +860,7 @@ func TestFailedProbeTakesTheConnectionFailurePath(t *testing.T) {
 
 	clk.Advance(time.Minute) // the ejection and the rotate interval are over
 	p.probeOnce(context.Background())
-	if last := u.h.sess.Load().lastRotate.Load(); last != clk.Now().UnixNano() {
+	if last := u.h.sess.Load().lastRotate.Load(); last != p.nanos(clk.Now()) {
 		t.Fatalf("the failed trial probe asked for no rotation of its session")
 	}
 	if got := <-rot.seen; got != "s0" {
@@ -933,5 +934,22 @@ func TestTakeRefusesAnUpstreamEjectedMeanwhile(t *testing.T) {
 	clk.Advance(time.Hour)
 	if u := pickUntil(t, p, Request{}, set[0].ID()); !u.trial {
 		t.Error("the pick after the ejection is not its trial")
+	}
+}
+
+// The pool keeps its times (ejection ends, sticky idle times, rotation
+// times) as durations on its own clock, read from time.Now's monotonic
+// reading: a step of the wall clock (NTP, a virtual machine resumed)
+// neither stretches nor ends them. Its readings are durations since the
+// pool began, not wall times.
+func TestPoolClockIsMonotonic(t *testing.T) {
+	p := newTestPool(t, DefaultConfig(), Options{})
+	if !strings.Contains(p.epoch.String(), " m=") {
+		t.Errorf("the pool's epoch %v has no monotonic reading", p.epoch)
+	}
+	for name, v := range map[string]int64{"fastNow": p.fastNow(), "mono": p.mono()} {
+		if v < int64(time.Second) || v > int64(time.Minute) {
+			t.Errorf("%s = %d, want the time since the pool began (a second before New)", name, v)
+		}
 	}
 }

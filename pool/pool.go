@@ -22,8 +22,9 @@ type Pool struct {
 	log    *slog.Logger
 	events *EventLog
 	now    func() time.Time
+	epoch  time.Time // the origin of nanos, taken from now at New
 	rand   func() uint64
-	tick   atomic.Int64 // unix ns, refreshed by Run: the hot path's clock when Options.Now is nil
+	tick   atomic.Int64 // nanos, refreshed by Run: the hot path's clock when Options.Now is nil
 
 	snap    atomic.Pointer[snapshot]
 	anyQuot atomic.Bool // some service is in quota: picks make a second pass
@@ -123,7 +124,10 @@ func New(cfg Config, opts Options) (*Pool, error) {
 	if p.rand == nil {
 		p.rand = rand.Uint64
 	}
-	p.tick.Store(p.now().UnixNano())
+	// A second before now, so that no reading of the pool's clock is 0,
+	// which its fields use for "never".
+	p.epoch = p.now().Add(-time.Second)
+	p.tick.Store(p.nanos(p.now()))
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	p.snap.Store(p.build(nil, map[string]*host{}, time.Time{}))
 	return p, nil
@@ -150,10 +154,20 @@ const tickEvery = 100 * time.Millisecond
 // machines.
 func (p *Pool) fastNow() int64 {
 	if p.opts.Now != nil {
-		return p.opts.Now().UnixNano()
+		return p.nanos(p.opts.Now())
 	}
 	return p.tick.Load()
 }
+
+// nanos is t on the pool's clock, the one of every time it keeps in its
+// fields (ejection ends, sticky idle times, rotation times): nanoseconds
+// since its epoch, measured on the monotonic clock when t carries its
+// reading (time.Now's do), so that a step of the wall clock (NTP, a
+// virtual machine resumed) neither stretches nor cuts those times.
+func (p *Pool) nanos(t time.Time) int64 { return int64(t.Sub(p.epoch)) }
+
+// mono is now on the pool's clock.
+func (p *Pool) mono() int64 { return p.nanos(p.now()) }
 
 func (p *Pool) notifyChanged() {
 	select {

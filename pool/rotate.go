@@ -131,7 +131,7 @@ const restingMax = 4096
 // rotation at a time and one per interval. Those whose time has passed are
 // forgotten. The caller holds p.mu.
 func (p *Pool) dropSessions(gen uint64) {
-	now, interval := p.now().UnixNano(), int64(p.cfg.Load().RotateInterval)
+	now, interval := p.mono(), int64(p.cfg.Load().RotateInterval)
 	p.pruneResting(now, interval)
 	if p.linked == len(p.sessions) {
 		return
@@ -206,7 +206,7 @@ func (p *Pool) requestRotate(s *session, h *host, cause Result) {
 	if p.opts.Rotator == nil || s == nil || s.rot.Load() != nil {
 		return
 	}
-	now := p.now().UnixNano()
+	now := p.mono()
 	last := s.lastRotate.Load()
 	if tooSoon(last, now, int64(p.cfg.Load().RotateInterval)) {
 		return
@@ -292,7 +292,7 @@ func (p *Pool) rotate(s *session, r *rotation, h *host) {
 		p.log.Warn("rotating sticky session", "service", k.service, "server", k.server, "session", k.session,
 			"result", result, "err", err)
 	} else {
-		now := p.now().UnixNano()
+		now := p.mono()
 		for _, t := range hosts {
 			// A new exit IP: the session starts over as healthy.
 			t.consec.Store(0)

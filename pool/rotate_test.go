@@ -665,7 +665,7 @@ func TestRestingSessionsBounded(t *testing.T) {
 	p.mu.Lock()
 	for _, s := range p.sessions {
 		if s != last.h.sess.Load() {
-			s.lastRotate.Store(clk.Now().UnixNano()) // rotated a moment ago
+			s.lastRotate.Store(p.nanos(clk.Now())) // rotated a moment ago
 		}
 	}
 	p.mu.Unlock()

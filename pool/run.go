@@ -52,7 +52,7 @@ func (p *Pool) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case t := <-tick.C:
-			p.tick.Store(t.UnixNano())
+			p.tick.Store(p.nanos(t))
 		case <-sweep.C:
 			p.sweep()
 		case <-probeC:
@@ -84,7 +84,7 @@ func sweepEvery(idle time.Duration) time.Duration {
 // sweep drops idle sticky keys, drained upstreams and resting sessions
 // whose rotation limit has passed.
 func (p *Pool) sweep() {
-	now := p.now().UnixNano()
+	now := p.mono()
 	cfg := p.cfg.Load()
 	idle := int64(cfg.StickyIdle)
 	for i := range p.sticky.shards {
@@ -134,8 +134,8 @@ func (p *Pool) probeOnce(ctx context.Context) {
 			h.trial.Store(false)
 			return
 		case r == Success:
-			p.readmit(h, p.now().UnixNano())
-		case r.UpstreamFault() && p.now().UnixNano() >= h.ejectedUntil.Load():
+			p.readmit(h, p.mono())
+		case r.UpstreamFault() && p.mono() >= h.ejectedUntil.Load():
 			// Past the ejection the probe was its trial, and its failure
 			// takes a connection's rule: counted, one more consecutive
 			// failure, a ppr session's rotation asked for, ejected again.
