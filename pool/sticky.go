@@ -242,7 +242,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 	idle := int64(cfg.StickyIdle)
 	rotated := false // the key's session just rotated: its new exit IP is worth trying again
 	waited := false
-	synced := false // waited for a rotation's end to clear its bit
+	ends := 0 // rotations seen ending, their bit not yet cleared
 	for {
 		now := p.fastNow()
 		f := filter{avoid: req.Avoid, clock: p.fastNow, now: now}
@@ -259,15 +259,14 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 					return sh.held(e, u)
 				}
 			}
-			if r := h.rotation(); r != nil || h.flags.Load()&fRotating != 0 && !synced {
+			if r := h.rotation(); r != nil || h.flags.Load()&fRotating != 0 {
 				sh.mu.Unlock()
-				if r == nil {
+				if r == nil && ends < maxRotationEnds {
 					// Its rotation is ending: the bit goes under Pool.mu
-					// once the rotation is gone. Past that, again (once:
-					// a bit that outlived its rotation is no rotation).
+					// once the rotation is gone. Past that, again.
 					p.mu.Lock()
 					p.mu.Unlock()
-					synced = true
+					ends++
 					continue
 				}
 				if !waited {
@@ -281,9 +280,10 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 						continue
 					}
 				}
-				// The rotation takes too long, or another began as the
-				// one waited for ended: the key stays on h, and this
-				// connection goes elsewhere.
+				// The rotation takes too long, another began as the one
+				// waited for ended, or rotations keep ending as this pick
+				// looks: the key stays on h, and this connection goes
+				// elsewhere.
 				return p.fallback(sl, req, k, h)
 			}
 			if fq := (filter{avoid: fh.avoid, quota: true, clock: p.fastNow, now: now}); h.flags.Load()&fQuota != 0 && fq.eligible(h) {
@@ -307,6 +307,17 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 				sh.mu.Unlock()
 				return u, err
 			}
+			if fa := (filter{quota: true, clock: p.fastNow}); h.rotation() != nil || h.flags.Load()&fRotating != 0 || fa.eligible(h) {
+				// A rotation began, or one began and ended, while this
+				// pick looked: the key stays; look again, to wait for it
+				// or fall back.
+				sh.mu.Unlock()
+				if ends < maxRotationEnds {
+					ends++
+					continue
+				}
+				return p.fallback(sl, req, k, h)
+			}
 		}
 		// A new key, or its upstream stopped being usable: (re)assign.
 		u := p.choose(sl, &f)
@@ -323,6 +334,12 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 		return u, nil
 	}
 }
+
+// maxRotationEnds bounds how often one pick waits for the end of a
+// rotation to clear its session's bit before it falls back: rotations that
+// keep ending (a session failing again at once) must not hold it, nor a
+// bit that outlived its rotation.
+const maxRotationEnds = 4
 
 // fallback serves a connection of key k, whose session h is rotating,
 // with another upstream for this connection only: another session of its
