@@ -39,11 +39,11 @@ type host struct {
 	sess     atomic.Pointer[session] // the ppr sticky session it stands for, if any; Update links it
 
 	inFlight     atomic.Int64
-	ejectedUntil atomic.Int64 // unix ns; non-zero from ejection until a trial succeeds
+	ejectedUntil atomic.Int64 // pool clock (Pool.nanos); non-zero from ejection until a trial succeeds
 	consec       atomic.Int64 // consecutive upstream failures
 	failures     atomic.Int64 // all upstream failures
 	ejections    atomic.Int64
-	readmitted   atomic.Int64 // unix ns of the last re-admission
+	readmitted   atomic.Int64 // pool clock of the last re-admission
 	ewma         atomic.Int64 // moving average of dial + handshake, ns; 0 = not measured
 	streak       atomic.Int32 // ejections in a row; decides the ejection's length
 	trial        atomic.Bool  // the one trial connection of a probing upstream is out
@@ -92,14 +92,17 @@ func (p *Pool) Report(u *Upstream, r Result, took time.Duration) {
 	if h == nil {
 		return
 	}
+	// The trial of the ejection under way, if u holds it: not of one that
+	// ended since by other means.
+	trial := u.trial && u.trialOf == h.ejections.Load() && h.ejectedUntil.Load() != 0
 	switch {
 	case r == Success:
 		h.observe(took)
-		p.succeeded(h, u.trial)
+		p.succeeded(h, trial)
 	case r.UpstreamFault():
-		p.failed(h, r, u.trial)
+		p.failed(h, r, trial)
 	default: // destination errors and cancellations say nothing about the upstream
-		if u.trial {
+		if trial {
 			h.trial.Store(false) // let another connection decide
 		}
 	}

@@ -953,3 +953,45 @@ func TestPoolClockIsMonotonic(t *testing.T) {
 		}
 	}
 }
+
+// A trial whose ejection ended otherwise (a late success re-admitted the
+// upstream) decides no later ejection's trial: its report neither frees
+// the new trial nor ejects the upstream again.
+func TestStaleTrialDecidesNoLaterEjection(t *testing.T) {
+	for _, late := range []Result{Canceled, HandshakeTimeout} {
+		t.Run(late.String(), func(t *testing.T) {
+			clk := newClock()
+			p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 100 }), Options{Now: clk.Now, Rand: midRand})
+			set := ups(1, 2)
+			p.Update(set)
+			id := set[0].ID()
+			early := pickUntil(t, p, Request{}, id)
+			fail(p, handle(p, set[0]), 3)
+			clk.Advance(stateOf(t, p, id).EjectedUntil.Sub(clk.Now()))
+			a := pickUntil(t, p, Request{}, id)        // the first ejection's trial
+			p.Report(early, Success, time.Millisecond) // late, past the ejection: re-admits
+			p.Release(early, Request{})
+			if s := stateOf(t, p, id); s.State != Healthy {
+				t.Fatalf("after the late success: %s", s.State)
+			}
+			fail(p, handle(p, set[0]), 3) // ejected again
+			clk.Advance(stateOf(t, p, id).EjectedUntil.Sub(clk.Now()))
+			b := pickUntil(t, p, Request{}, id) // the second ejection's trial
+			p.Report(a, late, time.Second)
+			p.Release(a, Request{})
+			if s := stateOf(t, p, id); s.State != Probing || s.Ejections != 2 {
+				t.Errorf("after the old trial's %s: %s with %d ejections, want probing with 2", late, s.State, s.Ejections)
+			}
+			for range 10 {
+				if u := pickReport(t, p, Request{}, Success); u.ID() == id {
+					t.Fatal("a second trial went out while the current one was")
+				}
+			}
+			p.Report(b, Success, time.Millisecond)
+			p.Release(b, Request{})
+			if s := stateOf(t, p, id); s.State != Healthy {
+				t.Errorf("after the current trial's success: %s", s.State)
+			}
+		})
+	}
+}

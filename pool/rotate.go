@@ -16,7 +16,7 @@ import (
 type session struct {
 	key        sessionKey
 	rot        atomic.Pointer[rotation] // non-nil while a rotation is under way
-	lastRotate atomic.Int64             // unix ns of the last rotation request
+	lastRotate atomic.Int64             // pool clock of the last rotation request
 
 	// Under Pool.mu:
 	hosts  []*host // its upstreams in the current set
@@ -153,7 +153,7 @@ func (s *session) limited(now, interval int64) bool {
 	return tooSoon(s.lastRotate.Load(), now, interval)
 }
 
-// tooSoon reports whether a rotation requested at last (unix ns; 0: none
+// tooSoon reports whether a rotation requested at last (pool clock; 0: none
 // yet) is less than interval before now: the rule of limited, for
 // requestRotate, which needs the value it tested for its compare-and-swap.
 func tooSoon(last, now, interval int64) bool {

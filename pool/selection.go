@@ -13,7 +13,7 @@ type filter struct {
 	skip    *host    // one more host to leave out
 	service int      // when not 0, only this service's upstreams
 	quota   bool     // whether upstreams of a service in quota may serve
-	now     int64    // unix ns, read from the clock only when needed
+	now     int64    // pool clock (Pool.nanos), read only when needed
 	clock   func() int64
 }
 
@@ -58,7 +58,7 @@ func take(h *host, f *filter) *Upstream {
 			return nil
 		}
 		c := *u
-		c.trial = true
+		c.trial, c.trialOf = true, h.ejections.Load()
 		u = &c
 	}
 	h.inFlight.Add(1)
@@ -221,7 +221,7 @@ func latencyBand(hs []*host, f *filter, tol float64) []*host {
 type band struct {
 	hosts      []*host
 	left       atomic.Int64 // picks before a refresh
-	until      int64        // unix ns after which it is refreshed
+	until      int64        // pool clock after which it is refreshed
 	refreshing atomic.Bool
 }
 

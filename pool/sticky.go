@@ -18,7 +18,7 @@ type stickyEntry struct {
 	k          stickyKey
 	hash       uint64
 	h          *host
-	used       int64        // unix ns of the last pick, or of the last release that left it unused
+	used       int64        // pool clock of the last pick, or of the last release that left it unused
 	open       int          // picks of the key not yet released; while > 0 the entry is off the list
 	prev, next *stickyEntry // the shard's list of unused entries
 	chain      *stickyEntry // the next entry with the same hash

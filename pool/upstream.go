@@ -54,8 +54,11 @@ type Upstream struct {
 	// trial: this pick holds h's one trial connection after an ejection
 	// (Pick hands a copy of h's upstream to the pick that claims it), so
 	// that only its Report decides, not a late one of a connection picked
-	// before the ejection.
-	trial bool
+	// before the ejection; trialOf is that ejection's number (ejections),
+	// so that a trial whose ejection ended otherwise (a late success, a
+	// rotation) decides no later one.
+	trial   bool
+	trialOf int64
 }
 
 // UnservedSession is a ppr sticky session that the provider lists but no
