@@ -398,10 +398,10 @@ func (p *Pool) Update(ups []Upstream, unserved ...UnservedSession) {
 		if st.apply(h) {
 			rotate = append(rotate, h)
 		}
-		if fresh[h.id] != h && providerState(before) != providerState(h.flags.Load()) {
+		if after := h.flags.Load(); fresh[h.id] != h && providerState(before) != providerState(after) {
 			// Kept, and now named otherwise by the status lists (its
 			// StatusIP moved): its provider state changed here.
-			moved = append(moved, providerChange{h, before})
+			moved = append(moved, providerChange{h, before, after})
 		}
 	}
 	p.unserved = p.unserved[:0]
@@ -448,7 +448,7 @@ func (p *Pool) Update(ups []Upstream, unserved ...UnservedSession) {
 		}
 	}
 	for _, c := range moved {
-		p.recordProvider(c.h, c.before, c.h.flags.Load())
+		p.recordProvider(c.h, c.before, c.after) // as of the change, not of a later one
 	}
 	for _, h := range removed {
 		p.record(EventRemoved, h.id, h.cur.Load().Service, "")
@@ -584,10 +584,10 @@ func providerState(f uint32) EventKind {
 	return ""
 }
 
-// providerChange is a host's provider flags before a change.
+// providerChange is a host's flags before and after a change.
 type providerChange struct {
-	h      *host
-	before uint32
+	h             *host
+	before, after uint32
 }
 
 // recordProvider records h's provider event for a change of its flags from
