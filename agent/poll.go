@@ -1455,9 +1455,12 @@ func (p *Poller) Rotate(ctx context.Context, service int, server, session string
 		for i := range st.Sticky {
 			if st.Sticky[i].Server == server && st.Sticky[i].Session == session {
 				st.Sticky[i].ExitIP = res.ExitIP
+				// A sticky list asked for before says the old exit IP.
+				// (Only of a session known from a list: sessions served
+				// from the state file alone wait for their first list.)
+				st.stickyAt = p.now()
 			}
 		}
-		st.stickyAt = p.now() // a sticky list asked for before says the old exit IP
 	}
 	p.mu.Unlock()
 	return res.ExitIP, nil

@@ -1031,6 +1031,39 @@ func TestPollerLateStickyListKeepsRotation(t *testing.T) {
 	}
 }
 
+// A rotation of a session the poller knows from no list (the daemon
+// serves it from its state file, and rotates it) does not make the first
+// sticky list, asked for before it, stale: that list is taken, and the
+// service is not known without its sessions.
+func TestPollerRotationBeforeFirstStickyList(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	hold := newHoldOnce("/api/sticky/list/")
+	c := interceptClient(t, sim, 5*time.Second, hold.intercept(sim))
+	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services, c.LookupHost = []int{102}, sim.LookupHost }), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := p.PollOnce(ctx, LoopAccount); err != nil {
+		t.Fatal(err)
+	}
+	s0 := sim.Sessions(102)[0]
+	hold.armed.Store(true)
+	round := make(chan error, 1)
+	go func() { round <- p.PollOnce(ctx, LoopLists) }()
+	hold.await(t)
+	if _, err := p.Rotate(ctx, 102, s0.Server, s0.Session); err != nil {
+		t.Fatal(err)
+	}
+	close(hold.release)
+	if err := <-round; err != nil {
+		t.Fatal(err)
+	}
+	if st := serviceByID(p.Snapshot(), 102); !st.ListsKnown || len(st.Sticky) == 0 {
+		t.Errorf("known %v with %d sessions: the first sticky list was not taken", st.ListsKnown, len(st.Sticky))
+	}
+}
+
 // A usage round that asked for the rate before the account round said the
 // service is no ppr any more does not bring the figures back when its
 // answer comes after.
