@@ -46,7 +46,7 @@ func decodeArray(body []byte) ([]json.RawMessage, error) {
 				if len(raw) > 0 && (raw[0] == '[' || raw[0] == '{' || string(raw) == "null") {
 					elems, err := decodeArray(raw)
 					if err == nil && len(elems) == 0 && emptyBesideError(obj) {
-						return nil, errors.New("an empty list beside the provider's error")
+						return nil, ErrListRefused
 					}
 					return elems, err
 				}
@@ -69,7 +69,7 @@ func decodeArray(body []byte) ([]json.RawMessage, error) {
 // is not active"}): the list is not known to be empty, and must not empty
 // what proxyd holds.
 func emptyBesideError(obj map[string]json.RawMessage) bool {
-	return stringField(obj, "error") != ""
+	return !noError(stringField(obj, "error"))
 }
 
 // decodeList decodes a JSON list of objects into []T through decodeArray.

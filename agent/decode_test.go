@@ -132,8 +132,10 @@ func TestTypedEndpointsTolerant(t *testing.T) {
 	if ips, err = call(`{"data":[],"error":"Service is not active"}`).NetworkErrors(ctx, 101); err == nil || !strings.Contains(err.Error(), "Service is not active") {
 		t.Errorf("NetworkErrors(empty beside an error) = %q, %v; want an error", ips, err)
 	}
-	if ips, err = call(`{"data":[],"error":null}`).NetworkErrors(ctx, 101); err != nil || len(ips) != 0 {
-		t.Errorf("NetworkErrors(empty, error null) = %q, %v", ips, err)
+	for _, none := range []string{`null`, `""`, `"none"`, `"0"`, `"false"`, `"ok"`, `false`} {
+		if ips, err = call(`{"data":[],"error":` + none + `}`).NetworkErrors(ctx, 101); err != nil || len(ips) != 0 {
+			t.Errorf("NetworkErrors(empty, error %s) = %q, %v; want an empty list", none, ips, err)
+		}
 	}
 	if ips, err = call(`{"data":["10.0.0.1"],"error":"partial"}`).NetworkErrors(ctx, 101); err != nil || len(ips) != 1 {
 		t.Errorf("NetworkErrors(entries beside an error) = %q, %v", ips, err)

@@ -31,6 +31,10 @@ var (
 	ErrTooManyAttempts          = errors.New("too many attempts")                            // any 429 ("Too Many Attempts (updateList). Next update possible: ..."), or that message in a 2xx refusal
 	ErrUnprocessable            = errors.New("unprocessable entity")                         // any 422
 	ErrBodyTooLarge             = errors.New("response body exceeds the configured maximum") // Config.MaxBody
+	// ErrListRefused: a 2xx answer whose list is empty beside the
+	// provider's error message ({"data": [], "error": "..."}): not an
+	// empty list, the provider's refusal to give one.
+	ErrListRefused = errors.New("the provider's error beside an empty list")
 )
 
 // maxExcerpt bounds APIError.Body and APIError.Message.
@@ -160,8 +164,7 @@ func refusal(status int, route string, body []byte, actions ...string) *APIError
 // word.
 func refusedIn(obj map[string]json.RawMessage) string {
 	msg := oneLine(stringField(obj, "error"))
-	switch strings.ToLower(msg) {
-	case "0", "false", "no", "none", "null", "ok", "n/a":
+	if noError(msg) {
 		msg = ""
 	}
 	if raw, ok := lookupFold(obj, "success"); ok {
@@ -176,6 +179,15 @@ func refusedIn(obj map[string]json.RawMessage) string {
 		return ""
 	}
 	return msg
+}
+
+// noError reports whether an "error" field's text says there is none.
+func noError(msg string) bool {
+	switch strings.ToLower(strings.TrimSpace(msg)) {
+	case "", "0", "false", "no", "none", "null", "ok", "n/a":
+		return true
+	}
+	return false
 }
 
 // newAPIError builds the APIError of an answer with status and body, and

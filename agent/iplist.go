@@ -2,7 +2,6 @@ package agent
 
 import (
 	"bytes"
-	"errors"
 	"encoding/json"
 	"fmt"
 	"net/netip"
@@ -64,7 +63,7 @@ func ParseIPList(body []byte, format string) (*IPList, error) {
 		p.lines(t)
 	}
 	if obj, ok := jsonObject(t); ok && len(l.Entries) == 0 && emptyBesideError(obj) {
-		return l, errors.New("parsing ip list: an empty list beside the provider's error")
+		return l, fmt.Errorf("parsing ip list: %w", ErrListRefused)
 	}
 	if len(l.Entries) == 0 && l.Bad > 0 {
 		// The line's shape, not its text: it may hold a proxy password,

@@ -1124,13 +1124,14 @@ func (p *Poller) pollServiceLists(ctx context.Context, owner Loop, at time.Time,
 		sl, err := client.StickyList(ctx, id)
 		p.beat(owner)
 		switch {
-		case errors.Is(err, ErrUnprocessable):
+		case errors.Is(err, ErrUnprocessable) || errors.Is(err, ErrListRefused):
 			// The sticky list's own failure (PROVIDER_API: 422 with the
 			// backend's message, such as sessions not set up for the
-			// service): no sessions to serve, as an empty list says
-			// (confirmed as any shrink), and the service's list entries
-			// serve as plain rotating upstreams meanwhile, rather than
-			// the service not at all.
+			// service; or that message beside an empty list in a 200):
+			// no sessions to serve, as an empty list says (confirmed as
+			// any shrink), and the service's list entries serve as plain
+			// rotating upstreams meanwhile, rather than the service not
+			// at all.
 			p.log.Warn("sticky sessions refused; the service's list entries serve as rotating upstreams", "service", id, "err", err)
 		case err != nil:
 			stickyOK = false

@@ -889,14 +889,26 @@ func TestPollerServiceNoLongerPPRClearsUsage(t *testing.T) {
 // message, as PROVIDER_API lists for the sticky list) is served from its
 // lists as plain rotating upstreams, not held back for ever.
 func TestPollerStickyRefusedServesListEntries(t *testing.T) {
+	for _, status := range []int{http.StatusUnprocessableEntity, http.StatusOK} {
+		t.Run(strconv.Itoa(status), func(t *testing.T) { stickyRefused(t, status) })
+	}
+}
+
+// stickyRefused: the sticky list refused with status; a 200 says it beside
+// an empty list.
+func stickyRefused(t *testing.T, status int) {
 	sim := providersim.New(providersim.Config{})
 	c := interceptClient(t, sim, 5*time.Second, func(w http.ResponseWriter, r *http.Request) bool {
 		if !strings.HasPrefix(r.URL.Path, "/api/sticky/list/") {
 			return false
 		}
 		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusUnprocessableEntity)
-		_, _ = io.WriteString(w, `{"error":"Sticky sessions are not enabled for this service"}`)
+		w.WriteHeader(status)
+		if status == http.StatusOK {
+			_, _ = io.WriteString(w, `{"data":[],"error":"Sticky sessions are not enabled for this service"}`)
+		} else {
+			_, _ = io.WriteString(w, `{"error":"Sticky sessions are not enabled for this service"}`)
+		}
 		return true
 	})
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) { c.Services, c.LookupHost = []int{102}, sim.LookupHost }), nil, nil)

@@ -68,6 +68,9 @@ func ParseStickyList(body []byte) (*StickyList, error) {
 		return l, nil
 	}
 	elems, err := decodeArray(t)
+	if errors.Is(err, ErrListRefused) {
+		return l, fmt.Errorf("parsing sticky sessions: %w", err)
+	}
 	if err != nil {
 		var obj map[string]json.RawMessage
 		if json.Unmarshal(t, &obj) != nil {
@@ -112,7 +115,8 @@ func ParseStickyList(body []byte) (*StickyList, error) {
 }
 
 // keyed appends the session records of obj, keyed by session id. A value
-// that is no object (a count, a status beside the records) is skipped.
+// that is no object (a count, a status beside the records), or an object
+// with no session field, is skipped.
 // With wrapped, a key such as "sessions" (wrapKeys) whose object holds no
 // record field is a wrapper of such records, read the same way.
 func (l *StickyList) keyed(obj map[string]json.RawMessage, wrapped bool) {
@@ -123,8 +127,12 @@ func (l *StickyList) keyed(obj map[string]json.RawMessage, wrapped bool) {
 			continue
 		}
 		s, ok := sessionFromObject(rec)
-		if !ok && wrapped && slices.ContainsFunc(wrapKeys[:], func(w string) bool { return strings.EqualFold(w, k) }) {
+		switch {
+		case !ok && wrapped && slices.ContainsFunc(wrapKeys[:], func(w string) bool { return strings.EqualFold(w, k) }):
 			l.keyed(rec, false)
+			continue
+		case !ok:
+			l.Skipped++ // no session field at all ({"meta": {"page": 1}})
 			continue
 		}
 		if s.Session == "" {

@@ -25,6 +25,8 @@ var stickyLayouts = []struct {
 		[]StickySession{{Server: "gw1", Session: "s8", Port: 10008}, {Server: "gw1", Session: "s9", Port: 10009}}},
 	{"wrapped, keyed by session", `{"sessions":{"s9":{"server":"gw1","port":10009},"s8":{"server":"gw1","port":10008}}}`,
 		[]StickySession{{Server: "gw1", Session: "s8", Port: 10008}, {Server: "gw1", Session: "s9", Port: 10009}}},
+	{"wrapped, keyed by session, beside metadata", `{"meta":{"page":1},"sessions":{"s9":{"server":"gw1","port":10009}}}`,
+		[]StickySession{{Server: "gw1", Session: "s9", Port: 10009}}},
 	{"keyed by session beside a count", `{"total":1,"s7":{"server":"gw1","port":10007}}`,
 		[]StickySession{{Server: "gw1", Session: "s7", Port: 10007}}},
 	{"single record", `{"server":"gw1","session":"only"}`, []StickySession{{Server: "gw1", Session: "only"}}},
