@@ -112,12 +112,13 @@ type Config struct {
 	// HandshakeTimeout bounds an upstream's answer to CONNECT or to the
 	// SOCKS5 handshake. 0 is refused.
 	HandshakeTimeout time.Duration `toml:"handshake_timeout"`
-	// IdleTimeout ends a tunnel with no traffic either way, a kept-alive
-	// client connection between requests, a client that stalls while
-	// sending a request body, one that stops reading its answer, and an
-	// answer whose body stalls (no byte from the upstream for that long,
-	// on proxyd's own connections and through net/http's Transport alike).
-	// 0 is refused.
+	// IdleTimeout ends a tunnel with no traffic either way (also one half
+	// closed, whose remaining reader stalls), a kept-alive client
+	// connection between requests, a client that stalls while sending a
+	// request body, one that stops reading its answer, and an answer whose
+	// body stalls (no byte from the upstream for that long, on proxyd's
+	// own connections and through net/http's Transport alike). 0 is
+	// refused.
 	IdleTimeout time.Duration `toml:"idle_timeout"`
 	// Retries is how many more upstreams are tried after one failed before
 	// any byte reached the client. 0: no retry. Negative is refused.

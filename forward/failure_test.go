@@ -1066,3 +1066,50 @@ func TestHTTPSRequestIsNotHedged(t *testing.T) {
 		t.Errorf("reports %+v, want one success", r)
 	}
 }
+
+// A tunnel whose client half-closed and then stalls its reading, while
+// the destination keeps sending, ends at idle_timeout: once one direction
+// is over, nothing else would end it. A half-closed client that reads,
+// however slowly, keeps it.
+func TestHalfClosedTunnelStalledReaderEnds(t *testing.T) {
+	checkLeaks(t)
+	flood := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+		}
+	})
+	const idle = 300 * time.Millisecond
+	for _, reads := range []bool{false, true} {
+		t.Run(fmt.Sprintf("reads=%v", reads), func(t *testing.T) {
+			p := newFakePool(newHTTPUpstream(t, "", "", nil).upstream(1))
+			tl := startListener(t, testConfig(func(c *Config) {
+				c.Protocol = ProtocolSOCKS5
+				c.AllowDestinations = loopbackAllowed
+				c.IdleTimeout = idle
+			}), p)
+			c, err := socksDial(tl.addr, flood)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			_ = c.(*net.TCPConn).SetReadBuffer(4096)
+			_ = c.(*net.TCPConn).CloseWrite() // done sending
+			if !reads {
+				waitFor(t, 10*time.Second, func() bool { return tl.ActiveConns() == 0 }, "the stalled half-closed tunnel to end")
+				return
+			}
+			// A slow reader: 4 KiB every 100 ms for 2 s, far more than
+			// idle_timeout, each read well within it.
+			buf := make([]byte, 4096)
+			for end := time.Now().Add(2 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+				_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+				if _, err := io.ReadFull(c, buf); err != nil {
+					t.Fatalf("the slow reader's tunnel ended: %v", err)
+				}
+			}
+		})
+	}
+}

@@ -145,9 +145,12 @@ func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream, key 
 // connection. The caller's goroutine returns at once, so that an idle tunnel
 // holds no handler stack or request buffers. The write deadline the
 // caller's answer was bounded by still bounds the first of those bytes;
-// the relay's writes then have none: a tunnel whose client neither reads
-// nor sends ends at idle_timeout by its read deadlines, and one whose
-// client keeps sending without reading stays while it sends.
+// the relay's writes then have none while both directions run: a tunnel
+// whose client neither reads nor sends ends at idle_timeout by its read
+// deadlines, and one whose client keeps sending without reading stays
+// while it sends. Once one direction is over (a half-close), the other's
+// writes are bounded by idle_timeout for as long as they make no
+// progress (tunnel.write).
 func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, key string, pending []byte) {
 	if !l.trackUpstream(upc) {
 		cc.setOutcome(OutcomeClientError)

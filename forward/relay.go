@@ -96,18 +96,41 @@ func (d *idleDeadline) arm() {
 
 func (t *tunnel) touch() { t.lastSeen.Store(time.Now().UnixNano()) }
 
-// halfClose passes an EOF on to dst. When the other direction is already
-// over, the close that follows says it: one shutdown call fewer per tunnel
-// (about 5 % of a tunnel set-up's CPU in the rig; BENCHMARKS.md, "Small
-// savers").
-func (t *tunnel) halfClose(dst net.Conn) {
+// halfClose passes an EOF read from src on to dst. When the other
+// direction is already over, the close that follows says it: one shutdown
+// call fewer per tunnel (about 5 % of a tunnel set-up's CPU in the rig;
+// BENCHMARKS.md, "Small savers"). Else the other direction, which writes to
+// src, is the tunnel's last, and no read deadline of this one will end it
+// if src's reader stalls: the write it may be in gets idle_timeout from
+// now, and its pump bounds each later one itself (write).
+func (t *tunnel) halfClose(dst, src net.Conn) {
 	if t.remaining.Load() == 1 {
 		return
 	}
 	if cw, ok := dst.(closeWriter); ok {
 		_ = cw.CloseWrite()
+		_ = src.SetWriteDeadline(time.Now().Add(t.idle))
 	} else {
 		t.closeBoth()
+	}
+}
+
+// write writes p to dst. While the other direction runs, a reader that
+// stalls is its business (its read deadline finds this one idle, see
+// stillActive). Once it is over, each write has idle_timeout to make
+// progress, and goes on for as long as it does.
+func (t *tunnel) write(dst net.Conn, p []byte) (int, error) {
+	if t.remaining.Load() != 1 {
+		return dst.Write(p)
+	}
+	n := 0
+	for {
+		_ = dst.SetWriteDeadline(time.Now().Add(t.idle))
+		m, err := dst.Write(p[n:])
+		n += m
+		if err == nil || m == 0 || !isTimeout(err) {
+			return n, err
+		}
 	}
 }
 
@@ -123,7 +146,7 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 		r, err := src.Read(buf)
 		if r > 0 {
 			t.touch()
-			w, werr := dst.Write(buf[:r])
+			w, werr := t.write(dst, buf[:r])
 			n += int64(w)
 			if werr != nil {
 				t.closeBoth()
@@ -134,7 +157,7 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 			continue
 		}
 		if errors.Is(err, io.EOF) {
-			t.halfClose(dst)
+			t.halfClose(dst, src)
 			return n
 		}
 		if t.stillActive(err) {

@@ -29,6 +29,13 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 	deadline := idleDeadline{conn: src, idle: t.idle}
 	var n int64
 	for {
+		if t.remaining.Load() == 1 {
+			// The other direction is over: this one's writes are all
+			// that can stall now, and each needs a bound that goes on
+			// while it makes progress (write), which a splice cannot
+			// take without losing the bytes in its pipe.
+			return n + t.pumpBuffered(dst, src)
+		}
 		deadline.arm()
 		w.queued, w.err = 0, nil
 		err := rc.Read(w.fn)
@@ -43,7 +50,7 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 			return n
 		}
 		if w.queued == 0 {
-			t.halfClose(dst)
+			t.halfClose(dst, src)
 			return n
 		}
 		w.lr.N = int64(w.queued)
