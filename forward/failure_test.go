@@ -2,6 +2,7 @@ package forward
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/x509"
 	"errors"
@@ -1111,5 +1112,32 @@ func TestHalfClosedTunnelStalledReaderEnds(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A SOCKS5 failure reply to a client that sent bytes right behind its
+// request (a TLS hello, say) ends with a lingering close, not a reset that
+// could throw the reply away before the client reads it.
+func TestSOCKSRefusalClosesWithoutReset(t *testing.T) {
+	checkLeaks(t)
+	tl := startListener(t, testConfig(func(c *Config) { c.Protocol = ProtocolSOCKS5 }), newFakePool()) // loopback refused
+	c, err := net.Dial("tcp", tl.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	req := []byte{5, 1, 0, 5, 1, 0, 1, 127, 0, 0, 1, 0, 80} // greeting, then CONNECT 127.0.0.1:80
+	early := bytes.Repeat([]byte{0x16}, 64<<10)             // sent before any reply
+	if _, err := c.Write(append(req, early...)); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.(*net.TCPConn).CloseWrite()
+	got, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatalf("reading the refusal: %v (got % x)", err, got)
+	}
+	if len(got) < 4 || got[0] != 5 || got[1] != 0 || got[2] != 5 || got[3] != socks5.ReplyNotAllowed {
+		t.Errorf("answer % x, want the method choice and reply 0x02", got)
 	}
 }

@@ -40,7 +40,7 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 		switch {
 		case errors.As(err, &re):
 			cc.setOutcome(OutcomeClientError)
-			_ = socks5.WriteReply(cc, re.Reply, socks5.Addr{})
+			refuseSOCKS(cc, re.Reply)
 		case errors.Is(err, socks5.ErrAuthFailed) || errors.Is(err, socks5.ErrNoAcceptableMethod):
 			cc.setOutcome(OutcomeDenied)
 		default:
@@ -55,7 +55,7 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 			reply = socks5.ReplyAddressNotSupported
 			cc.setOutcome(OutcomeClientError)
 		}
-		_ = socks5.WriteReply(cc, reply, socks5.Addr{})
+		refuseSOCKS(cc, reply)
 		return
 	}
 	// The request is read: the client now waits as long as the attempts
@@ -75,7 +75,7 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 	_ = cc.SetWriteDeadline(time.Now().Add(l.cfg.HeaderTimeout))
 	if fail != nil {
 		cc.setOutcome(fail.outcome)
-		_ = socks5.WriteReply(cc, fail.reply, socks5.Addr{})
+		refuseSOCKS(cc, fail.reply)
 		return
 	}
 	handedOff = true
@@ -90,6 +90,15 @@ func (l *Listener) serveSOCKSConn(cc *clientConn) {
 		pending, _ = br.Peek(n)
 	}
 	l.startRelay(cc, upc, up, key, pending)
+}
+
+// refuseSOCKS writes a failure reply to a request and closes the
+// connection with a lingering close: bytes the client sent behind its
+// request, unread, would make the close a reset, which can throw the reply
+// away before the client reads it (as for an HTTP refusal, lingerClose).
+func refuseSOCKS(cc *clientConn, reply byte) {
+	_ = socks5.WriteReply(cc, reply, socks5.Addr{})
+	lingerClose(cc)
 }
 
 // bindAddr is the address reported to the client: our side of the upstream
