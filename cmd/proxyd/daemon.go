@@ -60,10 +60,13 @@ type daemon struct {
 	wg      sync.WaitGroup
 
 	// Incarnations a reload retired keep their connections until those end
-	// or proxyd's own drain does (retiring ends); retired counts them.
+	// or proxyd's own drain does (retiring ends); retired counts them, and
+	// winding lists them while they run (guarded by mu): their names stay
+	// in the pool (setPoolListeners).
 	retiring    context.Context
 	endRetiring context.CancelFunc
 	retired     sync.WaitGroup
+	winding     []*runningListener
 }
 
 // runningListener is one served listener and its accept loop.

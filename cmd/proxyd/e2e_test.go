@@ -1347,6 +1347,43 @@ func TestDaemonReloadChangedListenerUnderLoad(t *testing.T) {
 	}
 }
 
+// A listener renamed by reload on the same address, back and forth under
+// load: the new name is in the pool before its incarnation accepts, and
+// the old one stays while its connections finish, so no request fails
+// (a pick under an unknown name was a 502).
+func TestDaemonReloadRenamedListenerUnderLoad(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), nil)
+	e.waitReady()
+	addr := e.d.listenerAddr("http")
+	ld := startLoad(t, 16, 0, func() error { return plainGet(addr, w.origin) })
+	cfg := e.cfg
+	for i := range 60 {
+		next := cfg
+		next.Listener = append([]listenerConfig{}, cfg.Listener...)
+		next.Listener[0].Address = addr
+		next.Listener[0].Name = []string{"web", "http"}[i%2]
+		if err := e.d.Reload(next); err != nil {
+			t.Fatal(err)
+		}
+		cfg = next
+		served := ld.oks.Load()
+		waitFor(t, "a request through the renamed listener", 5*time.Second, func() bool { return ld.oks.Load() > served })
+	}
+	ld.stop()
+	if ld.fails.Load() > 0 || ld.oks.Load() == 0 {
+		t.Errorf("%d requests failed across renames (%d ok); last: %v", ld.fails.Load(), ld.oks.Load(), ld.lastErr.Load())
+	}
+	// Once the old incarnations are gone, so are their names.
+	waitFor(t, "the retired names to leave the pool", 10*time.Second, func() bool {
+		names := []string{}
+		for _, l := range e.d.pool.Listeners() {
+			names = append(names, l.Name)
+		}
+		return slices.Equal(names, []string{"http", "socks"}) || slices.Equal(names, []string{"socks", "http"})
+	})
+}
+
 // plainGet makes one plain-HTTP request through an HTTP proxy on a new connection.
 // load runs requests in goroutines until stop (also called when the test
 // ends), counting what succeeded and what failed.

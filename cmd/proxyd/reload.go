@@ -462,6 +462,10 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) (fi
 	var fresh []*runningListener // incarnations started by this reload
 	var took []handover          // sockets handed from an old incarnation
 	d.listeners = map[string]*runningListener{}
+	// The new names are in the pool before their incarnations accept, and
+	// the old ones stay while theirs serve: a pick finds its slice
+	// whichever incarnation accepted the connection.
+	d.setPoolListeners(next.Listener, old)
 	undo := func(err error) error {
 		d.listeners = old
 		for _, h := range took {
@@ -473,6 +477,7 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) (fi
 			}
 			d.retire(rl) // it may have taken connections already: let them finish
 		}
+		d.setPoolListeners(d.cfg.Listener, nil)
 		return err
 	}
 	var started []string
@@ -507,7 +512,6 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) (fi
 			}
 		}
 		d.metrics.SetListeners(listenerNames(next.Listener))
-		d.pool.SetListeners(listenerSlices(next.Listener))
 		d.prober.setListeners(next.Listener)
 		for _, rl := range retire {
 			handed := slices.ContainsFunc(took, func(h handover) bool { return h.owner == rl })
@@ -516,6 +520,7 @@ func (d *daemon) swapListeners(next config, sockets map[string]net.Listener) (fi
 			}
 			d.retire(rl)
 		}
+		d.setPoolListeners(next.Listener, nil)
 		d.log.Info("listeners reloaded", "listeners", len(next.Listener), "started", started, "retired", len(retire))
 	}, nil
 }
@@ -537,15 +542,41 @@ func (d *daemon) reattach(rl *runningListener) {
 // they get the same drain_timeout as everything else; d.mu is held.
 func (d *daemon) retire(rl *runningListener) {
 	d.retired.Add(1)
+	d.winding = append(d.winding, rl)
 	go func() {
 		defer d.retired.Done()
 		rl.l.Shutdown(d.retiring)
 		rl.l.Close()
 		// Every connection it had is counted now (forward reports a close
 		// before it stops counting it as active); its series go, unless the
-		// name is current again.
+		// name is current again, and so does its pool slice.
 		d.metrics.ListenerGone(rl.cfg.Name)
+		d.mu.Lock()
+		d.winding = slices.DeleteFunc(d.winding, func(w *runningListener) bool { return w == rl })
+		d.setPoolListeners(d.cfg.Listener, nil)
+		d.mu.Unlock()
 	}()
+}
+
+// setPoolListeners gives the pool the slices of ls, and of the incarnations
+// in also and those a reload retired that still serve, under a name ls does
+// not have (a listener renamed or removed): a connection they accepted
+// still finds its slice. A name of ls takes its config from ls. d.mu is
+// held.
+func (d *daemon) setPoolListeners(ls []listenerConfig, also map[string]*runningListener) {
+	all := slices.Clone(ls)
+	add := func(rl *runningListener) {
+		if !slices.ContainsFunc(all, func(l listenerConfig) bool { return l.Name == rl.cfg.Name }) {
+			all = append(all, rl.cfg)
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(also)) {
+		add(also[name])
+	}
+	for _, rl := range d.winding {
+		add(rl)
+	}
+	d.pool.SetListeners(listenerSlices(all))
 }
 
 func (c *config) listenerNamed(name string) (listenerConfig, bool) {
