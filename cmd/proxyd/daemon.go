@@ -67,6 +67,11 @@ type daemon struct {
 	endRetiring context.CancelFunc
 	retired     sync.WaitGroup
 	winding     []*runningListener
+
+	// A reload that lowered [api] timeout: until slowUntil, requests of the
+	// old client may still take slowTimeout (guarded by mu).
+	slowTimeout time.Duration
+	slowUntil   time.Time
 }
 
 // runningListener is one served listener and its accept loop.
@@ -383,15 +388,26 @@ func (d *daemon) watchdog(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		d.mu.Lock()
-		maxAge := d.cfg.API.Timeout + 10*time.Second // a reload may change it
-		d.mu.Unlock()
-		if alive, why := d.alive(maxAge); alive || d.draining.Load() {
+		if alive, why := d.alive(d.heartbeatAge(time.Now())); alive || d.draining.Load() {
 			d.notified(d.notify.watchdog())
 		} else {
 			d.log.Error("not pinging the systemd watchdog", "reason", why)
 		}
 	}
+}
+
+// heartbeatAge is how long a poll loop may go without a beat before the
+// watchdog takes it for stuck: one API request's bound and 10 s. A reload
+// may change the bound; a lower one applies once the requests of the old
+// client, which keep its bound, may all have ended (slowUntil).
+func (d *daemon) heartbeatAge(now time.Time) time.Duration {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	bound := d.cfg.API.Timeout
+	if now.Before(d.slowUntil) {
+		bound = max(bound, d.slowTimeout)
+	}
+	return bound + 10*time.Second
 }
 
 // notified logs a message systemd did not take; the daemon goes on.

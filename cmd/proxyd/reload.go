@@ -261,6 +261,10 @@ func (d *daemon) applyConfig(next config) error {
 		}
 	}
 	if p.client != nil && p.client.changed {
+		if was := d.api.Timeout; was > p.client.api.Timeout {
+			// Requests of the old client may still run that long.
+			d.slowTimeout, d.slowUntil = was, time.Now().Add(was)
+		}
 		d.client, d.api, d.credSrc = p.client.client, p.client.api, p.client.source
 	}
 	if plan.Poll || plan.Listeners || (p.client != nil && p.client.changed) {

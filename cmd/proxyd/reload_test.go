@@ -961,3 +961,25 @@ func TestReloadRespelledBaseURLKeepsClient(t *testing.T) {
 		t.Errorf("a re-spelled base_url (%s) replaced the client", next.API.BaseURL)
 	}
 }
+
+// A reload that lowers [api] timeout lowers the watchdog's patience with
+// the poll loops only once the old client's requests, which keep the old
+// bound, may all have ended: a request hung in an API outage must not get
+// proxyd killed as stuck.
+func TestReloadLowerAPITimeoutKeepsWatchdogPatience(t *testing.T) {
+	w := newWorld(t)
+	e := startDaemon(t, w, t.TempDir(), func(c *config) { c.API.Timeout = time.Minute })
+	e.waitReady()
+	next := e.nextConfig()
+	next.API.Timeout = 5 * time.Second
+	if err := e.d.Reload(next); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	if got := e.d.heartbeatAge(now); got != time.Minute+10*time.Second {
+		t.Errorf("right after the reload: %s, want the old bound's %s", got, time.Minute+10*time.Second)
+	}
+	if got := e.d.heartbeatAge(now.Add(time.Minute + time.Second)); got != 15*time.Second {
+		t.Errorf("once the old requests are over: %s, want the new bound's 15s", got)
+	}
+}
