@@ -242,6 +242,7 @@ func demoConfig(w *demoWorld, httpAddr, socksAddr, adminAddr, stateDir string) c
 	cfg.Pool.EjectMax = time.Minute
 	cfg.Pool.RotateInterval = 10 * time.Second
 	cfg.State.Dir = stateDir
+	cfg.Shutdown.DrainTimeout = 2 * time.Second // Ctrl-C stops the demo at once, open tunnels or not
 	cfg.Admin.Address = adminAddr
 	cfg.Listener = defaultListeners()
 	cfg.Listener[0].Address = httpAddr

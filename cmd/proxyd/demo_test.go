@@ -1,7 +1,9 @@
 package main
 
 import (
+	"bufio"
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -271,5 +273,49 @@ func TestDemoSharedLoopback(t *testing.T) {
 	<-done
 	if strings.Contains(logs.String(), "lists an upstream as errored") {
 		t.Errorf("the errored-IP fault ran on a shared loopback address:\n%s", logs.String())
+	}
+}
+
+// Ctrl-C stops the demo within its short drain, a tunnel still open.
+func TestDemoStopsSoonWithATunnelOpen(t *testing.T) {
+	httpAddr, socksAddr, adminAddr := freeport.Addr(t), freeport.Addr(t), freeport.Addr(t)
+	out, errOut := &syncbuf.Buffer{}, &syncbuf.Buffer{}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	code := make(chan int, 1)
+	go func() {
+		code <- runMain(ctx, []string{"demo", "-http", httpAddr, "-socks", socksAddr, "-admin", adminAddr},
+			stdio{in: strings.NewReader(""), out: out, err: errOut, getenv: func(string) string { return "" }})
+	}()
+	var origin string
+	waitFor(t, "the demo's instructions", 15*time.Second, func() bool {
+		m := regexp.MustCompile(`curl -x http://\S+ http://(\S+?)/`).FindStringSubmatch(out.String())
+		if m != nil {
+			origin = m[1]
+		}
+		return m != nil
+	})
+	c, err := net.Dial("tcp", httpAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", origin, origin)
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if resp, err := http.ReadResponse(bufio.NewReader(c), nil); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("CONNECT through the demo: %v %v", resp, err)
+	}
+	start := time.Now()
+	cancel() // Ctrl-C
+	select {
+	case got := <-code:
+		if got != 0 {
+			t.Errorf("demo exited %d: %s", got, errOut.String())
+		}
+		if took := time.Since(start); took > 10*time.Second {
+			t.Errorf("the demo took %s to stop with a tunnel open", took)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the demo did not stop within 20s with a tunnel open")
 	}
 }

@@ -45,6 +45,9 @@ type stdio struct {
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal asks for the drain; a second one, as the default
+	// action of the signal again, ends the process at once.
+	context.AfterFunc(ctx, stop)
 	os.Exit(runMain(ctx, os.Args[1:], stdio{in: os.Stdin, out: os.Stdout, err: os.Stderr, getenv: os.Getenv}))
 }
 
