@@ -379,8 +379,8 @@ func (p *Pool) reeject(h *host) {
 func (p *Pool) startEjection(cfg *Config, h *host) {
 	k := h.streak.Add(1)
 	h.ejectedUntil.Store(p.mono() + int64(p.ejectDuration(cfg, int(k))))
+	h.ejections.Add(1) // before the claim is freed: a trial of this ejection carries its number
 	h.trial.Store(false)
-	h.ejections.Add(1)
 }
 
 // ejected tells the hook and the event log about an ejection of h; the

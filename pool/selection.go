@@ -57,6 +57,12 @@ func take(h *host, f *filter) *Upstream {
 		if f.now < until || !h.trial.CompareAndSwap(false, true) {
 			return nil
 		}
+		if f.now < h.ejectedUntil.Load() {
+			// Ejected again between the look and the claim (its trial
+			// failed): this claim is not that ejection's trial.
+			h.trial.Store(false)
+			return nil
+		}
 		c := *u
 		c.trial, c.trialOf = true, h.ejections.Load()
 		u = &c

@@ -269,7 +269,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 					ends++
 					continue
 				}
-				if !waited {
+				if r != nil && !waited {
 					done, err := p.waitRotation(ctx, r, cfg.RotateWait)
 					if err != nil {
 						return nil, err

@@ -460,3 +460,24 @@ func TestStickyFallbackMindsQuota(t *testing.T) {
 		t.Errorf("the key moved to %v", h)
 	}
 }
+
+// A rotating bit that outlived its rotation (none under way) does not hold
+// a key's pick for ever, nor crash it: after a few looks the connection
+// goes elsewhere and the key stays.
+func TestStickyStaleRotatingBit(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, conf(func(c *Config) { c.RotateWait = 5 * time.Second }), Options{Now: clk.Now, Rand: midRand})
+	ss := sessions(7, 2, "192.0.2.1")
+	p.Update(append(ss, ups(8, 2)...))
+	key := stickyOn(t, p, ss[0].ID())
+	handle(p, ss[0]).h.setFlags(fRotating, fRotating) // no rotation behind it
+	u := mustPick(t, p, Request{Key: key})
+	if u.ID() == ss[0].ID() {
+		t.Errorf("picked the session flagged rotating")
+	}
+	p.Report(u, Canceled, 0)
+	p.Release(u, Request{Key: key})
+	if h := p.sticky.lookup("", key); h == nil || h.id != ss[0].ID() {
+		t.Errorf("the key moved to %v", h)
+	}
+}
