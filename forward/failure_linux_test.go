@@ -178,3 +178,57 @@ func TestUnreachableDestinationBlamesNoUpstream(t *testing.T) {
 		})
 	}
 }
+
+// A client that half-closes in the middle of a download it reads slowly
+// (a large chunk queued for it when it does) keeps its tunnel while it
+// takes bytes: the last direction is watched for progress (the bytes the
+// reader acknowledges), not bounded by a deadline. Its receive buffer is
+// small from the start, so that what it reads is what moves on the wire.
+func TestHalfCloseMidDownloadSlowReaderKeepsTunnel(t *testing.T) {
+	checkLeaks(t)
+	flood := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+		}
+	})
+	const idle = time.Second
+	p := newFakePool(newHTTPUpstream(t, "", "", nil).upstream(1))
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.Protocol = ProtocolSOCKS5
+		c.AllowDestinations = loopbackAllowed
+		c.IdleTimeout = idle
+	}), p)
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		return rc.Control(func(fd uintptr) { _ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
+	}}
+	c, err := d.Dial("tcp", tl.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	host, port, _ := splitHostPort(flood, 0)
+	if _, err := socks5.ClientHandshake(c, socks5.Addr{Host: host, Port: port}, "", ""); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4096)
+	start := time.Now()
+	halfClosed := false
+	// 40 KB/s, a read every 100 ms, for 4 idle_timeouts; half-closed after 1.
+	for time.Since(start) < 4*idle {
+		if !halfClosed && time.Since(start) > idle {
+			_ = c.(*net.TCPConn).CloseWrite()
+			halfClosed = true
+		}
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.ReadFull(c, buf); err != nil {
+			t.Fatalf("the slowly reading client's download was cut after %s: %v", time.Since(start), err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if tl.ActiveConns() == 0 {
+		t.Errorf("the tunnel of a client reading 40 KB/s ended after its half-close (idle_timeout %s)", idle)
+	}
+}

@@ -148,9 +148,8 @@ func (l *Listener) abandon(cc *clientConn, upc net.Conn, up *pool.Upstream, key 
 // the relay's writes then have none while both directions run: a tunnel
 // whose client neither reads nor sends ends at idle_timeout by its read
 // deadlines, and one whose client keeps sending without reading stays
-// while it sends. Once one direction is over (a half-close), the other's
-// writes are bounded by idle_timeout for as long as they make no
-// progress (tunnel.write).
+// while it sends. Once one direction is over (a half-close), the other
+// ends after an idle_timeout in which it moved nothing (watchLast).
 func (l *Listener) startRelay(cc *clientConn, upc net.Conn, up *pool.Upstream, key string, pending []byte) {
 	if !l.trackUpstream(upc) {
 		cc.setOutcome(OutcomeClientError)

@@ -21,8 +21,10 @@ type tunnel struct {
 	lastSeen  atomic.Int64 // unix nanoseconds of the last byte moved either way
 	once      sync.Once
 	a, b      net.Conn
-	up, down  int64        // bytes each way, written by their pump
-	remaining atomic.Int32 // pumps still running
+	up, down  int64                      // bytes each way, written by their pump
+	remaining atomic.Int32               // pumps still running
+	watch     atomic.Pointer[time.Timer] // watchLast's, stopped by closeBoth
+	closed    atomic.Bool                // closeBoth ran: watchLast's timer goes on no more
 }
 
 // relay copies between the client and the upstream in two goroutines the
@@ -56,6 +58,10 @@ func (l *Listener) relay(cc *clientConn, upstream net.Conn, done func()) {
 
 func (t *tunnel) closeBoth() {
 	t.once.Do(func() {
+		t.closed.Store(true)
+		if w := t.watch.Load(); w != nil {
+			w.Stop()
+		}
 		_ = t.a.Close()
 		_ = t.b.Close()
 	})
@@ -99,39 +105,42 @@ func (t *tunnel) touch() { t.lastSeen.Store(time.Now().UnixNano()) }
 // halfClose passes an EOF read from src on to dst. When the other
 // direction is already over, the close that follows says it: one shutdown
 // call fewer per tunnel (about 5 % of a tunnel set-up's CPU in the rig;
-// BENCHMARKS.md, "Small savers"). Else the other direction, which writes to
-// src, is the tunnel's last, and no read deadline of this one will end it
-// if src's reader stalls: the write it may be in gets idle_timeout from
-// now, and its pump bounds each later one itself (write).
+// BENCHMARKS.md, "Small savers"). Else the other direction, which writes
+// to src, is the tunnel's last, and watchLast bounds it.
 func (t *tunnel) halfClose(dst, src net.Conn) {
 	if t.remaining.Load() == 1 {
 		return
 	}
 	if cw, ok := dst.(closeWriter); ok {
 		_ = cw.CloseWrite()
-		_ = src.SetWriteDeadline(time.Now().Add(t.idle))
+		t.watchLast(src)
 	} else {
 		t.closeBoth()
 	}
 }
 
-// write writes p to dst. While the other direction runs, a reader that
-// stalls is its business (its read deadline finds this one idle, see
-// stillActive). Once it is over, each write has idle_timeout to make
-// progress, and goes on for as long as it does.
-func (t *tunnel) write(dst net.Conn, p []byte) (int, error) {
-	if t.remaining.Load() != 1 {
-		return dst.Write(p)
-	}
-	n := 0
-	for {
-		_ = dst.SetWriteDeadline(time.Now().Add(t.idle))
-		m, err := dst.Write(p[n:])
-		n += m
-		if err == nil || m == 0 || !isTimeout(err) {
-			return n, err
+// watchLast ends the tunnel once its last direction, which writes to dst,
+// has moved nothing for an idle_timeout (it ends within two). While both
+// ran, the other's read deadline found a stalled reader (stillActive); now
+// nothing would: the direction may wait in a write for good, and a splice
+// takes no write deadline without losing the bytes in its pipe, nor one
+// that a slow reader, still reading, should not meet. So it is watched
+// instead: a byte it read (lastSeen), or a byte dst's reader took (acked,
+// where the system says), is progress.
+func (t *tunnel) watchLast(dst net.Conn) {
+	seen, took := t.lastSeen.Load(), acked(dst)
+	t.watch.Store(time.AfterFunc(t.idle, func() {
+		if t.closed.Load() {
+			return
 		}
-	}
+		s, a := t.lastSeen.Load(), acked(dst)
+		if s == seen && a == took {
+			t.closeBoth()
+			return
+		}
+		seen, took = s, a
+		t.watch.Load().Reset(t.idle)
+	}))
 }
 
 // pumpBuffered is pump through a pooled buffer under a read deadline.
@@ -146,7 +155,7 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 		r, err := src.Read(buf)
 		if r > 0 {
 			t.touch()
-			w, werr := t.write(dst, buf[:r])
+			w, werr := dst.Write(buf[:r])
 			n += int64(w)
 			if werr != nil {
 				t.closeBoth()

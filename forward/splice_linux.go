@@ -29,13 +29,6 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 	deadline := idleDeadline{conn: src, idle: t.idle}
 	var n int64
 	for {
-		if t.remaining.Load() == 1 {
-			// The other direction is over: this one's writes are all
-			// that can stall now, and each needs a bound that goes on
-			// while it makes progress (write), which a splice cannot
-			// take without losing the bytes in its pipe.
-			return n + t.pumpBuffered(dst, src)
-		}
 		deadline.arm()
 		w.queued, w.err = 0, nil
 		err := rc.Read(w.fn)
@@ -122,4 +115,25 @@ func (w *queueWait) check(fd uintptr) bool {
 		}
 		return true
 	}
+}
+
+// acked is how many bytes c's peer acknowledged (TCP_INFO), 0 when c is
+// no TCP connection or the system does not say: watchLast's measure of a
+// reader's progress inside a write that has not returned.
+func acked(c net.Conn) uint64 {
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return 0
+	}
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var n uint64
+	_ = rc.Control(func(fd uintptr) {
+		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			n = info.Bytes_acked
+		}
+	})
+	return n
 }
