@@ -212,6 +212,7 @@ type Poller struct {
 	client   *Client
 	cfg      PollConfig
 	gen      uint64          // bumped by Reconfigure: a round begun before drops its results
+	inflight map[uint64]int  // rounds running, by the generation they began in
 	trusted  map[string]bool // after a provider change: keys already swapped in without confirmation
 	snap     Snapshot
 	services map[int]*ServiceState
@@ -253,7 +254,7 @@ func NewPoller(c *Client, cfg PollConfig, onChange func(Snapshot), logger *slog.
 		now = time.Now
 	}
 	p := &Poller{client: c, cfg: cloneConfig(cfg), onChange: onChange, log: logger, now: now,
-		services: map[int]*ServiceState{}, pending: map[string]pendingList{}, lastGood: map[string]int{},
+		services: map[int]*ServiceState{}, pending: map[string]pendingList{}, lastGood: map[string]int{}, inflight: map[uint64]int{},
 		formats: map[string]string{}, manage: map[int]*manageState{}}
 	for i := range p.beats {
 		p.clocks[i] = map[unit]*clock{}
@@ -744,6 +745,20 @@ func (p *Poller) Seed(ups []UpstreamSpec) {
 
 func (p *Poller) beat(l Loop) { p.beats[l].Store(p.now().UnixNano()) }
 
+// OlderRounds reports whether a round begun before the last Reconfigure
+// still runs: it goes on with the client it began with, whose requests
+// keep that client's timeout.
+func (p *Poller) OlderRounds() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for gen := range p.inflight {
+		if gen < p.gen {
+			return true
+		}
+	}
+	return false
+}
+
 // Rounds is how many rounds of loop l have completed.
 func (p *Poller) Rounds(l Loop) int64 { return p.rounds[l].Load() }
 
@@ -870,6 +885,16 @@ func (p *Poller) round(ctx context.Context, l Loop, onlyDue bool) error {
 	defer p.beat(l)
 	defer p.rounds[l].Add(1)
 	r, units := p.startRound(l), p.pollable(l, onlyDue)
+	p.mu.Lock()
+	p.inflight[r.gen]++
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		if p.inflight[r.gen]--; p.inflight[r.gen] == 0 {
+			delete(p.inflight, r.gen)
+		}
+		p.mu.Unlock()
+	}()
 	switch l {
 	case LoopAccount:
 		if len(units) == 0 {

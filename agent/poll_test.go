@@ -1076,6 +1076,38 @@ func TestPollerRotationBeforeFirstStickyList(t *testing.T) {
 	}
 }
 
+// OlderRounds says whether a round begun before the last Reconfigure
+// still runs (with its old client, whose timeout the daemon's watchdog
+// must still allow for).
+func TestPollerOlderRounds(t *testing.T) {
+	sim := providersim.New(providersim.Config{})
+	hold := newHoldOnce("/api/services")
+	c := interceptClient(t, sim, 5*time.Second, hold.intercept(sim))
+	cfg := pollConfig(func(c *PollConfig) { c.Services = []int{101} })
+	p, err := NewPoller(c, cfg, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hold.armed.Store(true)
+	round := make(chan error, 1)
+	go func() { round <- p.PollOnce(context.Background(), LoopAccount) }()
+	hold.await(t)
+	if p.OlderRounds() {
+		t.Error("a round of the current generation counts as older")
+	}
+	if err := p.Reconfigure(c, cfg, false); err != nil {
+		t.Fatal(err)
+	}
+	if !p.OlderRounds() {
+		t.Error("the round begun before Reconfigure does not count as older")
+	}
+	close(hold.release)
+	<-round
+	if p.OlderRounds() {
+		t.Error("an older round that ended still counts")
+	}
+}
+
 // A usage round that asked for the rate before the account round said the
 // service is no ppr any more does not bring the figures back when its
 // answer comes after.

@@ -398,13 +398,16 @@ func (d *daemon) watchdog(ctx context.Context) {
 
 // heartbeatAge is how long a poll loop may go without a beat before the
 // watchdog takes it for stuck: one API request's bound and 10 s. A reload
-// may change the bound; a lower one applies once the requests of the old
-// client, which keep its bound, may all have ended (slowUntil).
+// may change the bound; a lower one applies once the old client's
+// requests, which keep its bound, may all have ended: those in flight
+// (slowUntil), and those the rounds begun before the reload still make
+// with it (OlderRounds).
 func (d *daemon) heartbeatAge(now time.Time) time.Duration {
+	older := d.poller.OlderRounds()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	bound := d.cfg.API.Timeout
-	if now.Before(d.slowUntil) {
+	if now.Before(d.slowUntil) || older {
 		bound = max(bound, d.slowTimeout)
 	}
 	return bound + 10*time.Second

@@ -261,7 +261,11 @@ func (d *daemon) applyConfig(next config) error {
 		}
 	}
 	if p.client != nil && p.client.changed {
-		if was := d.api.Timeout; was > p.client.api.Timeout {
+		was := d.api.Timeout
+		if time.Now().Before(d.slowUntil) {
+			was = max(was, d.slowTimeout) // an older client's requests too
+		}
+		if was > p.client.api.Timeout {
 			// Requests of the old client may still run that long.
 			d.slowTimeout, d.slowUntil = was, time.Now().Add(was)
 		}
