@@ -189,6 +189,10 @@ type ListenerSlice struct {
 	Services []int    // services feeding the listener; empty = all
 	Kind     Kind     // FPR, PPR or "" for both
 	Protocol Protocol // how its upstreams are dialed; "" = either
+	// Retiring: a listener a reload removed or renamed, whose connections
+	// still pick under its name. It serves their picks only: it caps no
+	// ejection, is in no panic and is not explained (Listeners, Explain).
+	Retiring bool
 }
 
 // Covers reports whether an upstream of this service, kind and protocol

@@ -101,7 +101,7 @@ func (p *Pool) Listeners() []ListenerExplanation {
 func (p *Pool) listenersOf(s *snapshot, ns int64) []ListenerExplanation {
 	var out []ListenerExplanation
 	for _, sl := range s.slices {
-		if sl == s.all {
+		if sl == s.all || sl.Retiring {
 			continue
 		}
 		le := ListenerExplanation{Name: sl.Name, Total: len(sl.members)}

@@ -223,7 +223,7 @@ func (p *Pool) eject(h *host) {
 	s := p.snap.Load()
 	u := h.cur.Load()
 	for _, sl := range s.slices {
-		if sl.matches(u) && sl.ejected.Load()+1 > ejectCap(cfg, sl) {
+		if !sl.Retiring && sl.matches(u) && sl.ejected.Load()+1 > ejectCap(cfg, sl) {
 			p.setHeld(s, h, u, true)
 			p.checkPanics(cfg, s, u)
 			p.ejectMu.Unlock()
@@ -256,7 +256,7 @@ func (p *Pool) fitCaps(cfg *Config, s *snapshot) []*host {
 	var ended []*host
 	for _, sl := range s.slices {
 		over := sl.ejected.Load() - ejectCap(cfg, sl)
-		if over <= 0 {
+		if over <= 0 || sl.Retiring {
 			continue
 		}
 		type out struct {
@@ -346,7 +346,7 @@ func (p *Pool) checkPanics(cfg *Config, s *snapshot, u *Upstream) {
 // change; the caller holds p.ejectMu. The whole-set slice used while no
 // listeners are set is no listener's and records nothing.
 func (p *Pool) checkPanic(cfg *Config, s *snapshot, sl *slice) {
-	on := sl.held.Load() > 0 && sl.ejected.Load() >= ejectCap(cfg, sl)
+	on := !sl.Retiring && sl.held.Load() > 0 && sl.ejected.Load() >= ejectCap(cfg, sl)
 	if sl.panic.Swap(on) == on || sl == s.all {
 		return
 	}

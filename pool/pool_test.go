@@ -566,3 +566,32 @@ func TestGatewayByNameLeavesOnItsIP(t *testing.T) {
 		t.Errorf("events of %s: %v, want %v", other.ID(), kinds, want)
 	}
 }
+
+// A retiring listener slice (a listener a reload removed, whose
+// connections still pick under its name) serves their picks, and counts
+// for nothing else: it caps no ejection, is in no panic and is not
+// explained.
+func TestRetiringSliceServesPicksOnly(t *testing.T) {
+	clk := newClock()
+	p := newTestPool(t, conf(func(c *Config) { c.MaxEjectedPercent = 50 }), Options{Now: clk.Now, Rand: midRand})
+	set := append(ups(1, 2), ups(2, 4)...)
+	p.Update(set)
+	p.SetListeners([]ListenerSlice{{Name: "all"}, {Name: "gone", Services: []int{1}, Retiring: true}})
+	if u := pickReport(t, p, Request{Listener: "gone"}, Success); u.Service != 1 {
+		t.Errorf("a pick under the retiring name got %s", u.ID())
+	}
+	// Both members of the retiring slice fail: its cap (1 of 2) would hold
+	// the second in; all's (3 of 6) lets both out.
+	fail(p, handle(p, set[0]), 3)
+	fail(p, handle(p, set[1]), 3)
+	for _, u := range set[:2] {
+		if s := stateOf(t, p, u.ID()); s.State != Ejected {
+			t.Errorf("%s: %s, want ejected (a retiring slice caps nothing)", u.ID(), s.State)
+		}
+	}
+	for _, l := range p.Explain().Listeners {
+		if l.Name == "gone" {
+			t.Errorf("the retiring slice is explained: %+v", l)
+		}
+	}
+}

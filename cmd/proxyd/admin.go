@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -113,14 +112,9 @@ func (d *daemon) readiness() (bool, string) {
 	if name, stopped := d.stoppedListener(); stopped {
 		return false, "listener " + name + " is not accepting"
 	}
-	d.mu.Lock()
-	current := listenerNames(d.cfg.Listener)
-	d.mu.Unlock()
 	var why []string
-	for _, l := range d.pool.Listeners() {
-		// Only the configured ones: a retired listener's name stays in
-		// the pool while its connections finish.
-		if l.Usable == 0 && slices.Contains(current, l.Name) {
+	for _, l := range d.pool.Listeners() { // the configured ones (a retiring one is not explained)
+		if l.Usable == 0 {
 			why = append(why, fmt.Sprintf("listener %s has no usable upstream (%d known)", l.Name, l.Total))
 		}
 	}

@@ -1374,14 +1374,19 @@ func TestDaemonReloadRenamedListenerUnderLoad(t *testing.T) {
 	if ld.fails.Load() > 0 || ld.oks.Load() == 0 {
 		t.Errorf("%d requests failed across renames (%d ok); last: %v", ld.fails.Load(), ld.oks.Load(), ld.lastErr.Load())
 	}
-	// Once the old incarnations are gone, so are their names.
-	waitFor(t, "the retired names to leave the pool", 10*time.Second, func() bool {
-		names := []string{}
-		for _, l := range e.d.pool.Listeners() {
-			names = append(names, l.Name)
-		}
-		return slices.Equal(names, []string{"http", "socks"}) || slices.Equal(names, []string{"socks", "http"})
+	// Once the old incarnations are gone, so are their retiring slices.
+	waitFor(t, "the retired incarnations to end", 10*time.Second, func() bool {
+		e.d.mu.Lock()
+		defer e.d.mu.Unlock()
+		return len(e.d.winding) == 0
 	})
+	var names []string
+	for _, l := range e.d.pool.Listeners() {
+		names = append(names, l.Name)
+	}
+	if slices.Sort(names); !slices.Equal(names, []string{"http", "socks"}) {
+		t.Errorf("pool listeners %v, want the configured http and socks", names)
+	}
 }
 
 // plainGet makes one plain-HTTP request through an HTTP proxy on a new connection.

@@ -569,13 +569,15 @@ func (d *daemon) retire(rl *runningListener) {
 // setPoolListeners gives the pool the slices of ls, and of the incarnations
 // in also and those a reload retired that still serve, under a name ls does
 // not have (a listener renamed or removed): a connection they accepted
-// still finds its slice. A name of ls takes its config from ls. d.mu is
-// held.
+// still finds its slice, which is Retiring (it counts for nothing else). A
+// name of ls takes its config from ls. d.mu is held.
 func (d *daemon) setPoolListeners(ls []listenerConfig, also map[string]*runningListener) {
-	all := slices.Clone(ls)
+	sls := listenerSlices(ls)
 	add := func(rl *runningListener) {
-		if !slices.ContainsFunc(all, func(l listenerConfig) bool { return l.Name == rl.cfg.Name }) {
-			all = append(all, rl.cfg)
+		if !slices.ContainsFunc(sls, func(sl pool.ListenerSlice) bool { return sl.Name == rl.cfg.Name }) {
+			sl := listenerSlices([]listenerConfig{rl.cfg})[0]
+			sl.Retiring = true
+			sls = append(sls, sl)
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(also)) {
@@ -584,7 +586,7 @@ func (d *daemon) setPoolListeners(ls []listenerConfig, also map[string]*runningL
 	for _, rl := range d.winding {
 		add(rl)
 	}
-	d.pool.SetListeners(listenerSlices(all))
+	d.pool.SetListeners(sls)
 }
 
 func (c *config) listenerNamed(name string) (listenerConfig, bool) {
