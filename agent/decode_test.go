@@ -133,7 +133,7 @@ func TestTypedEndpointsTolerant(t *testing.T) {
 		t.Errorf("NetworkErrors(empty beside an error) = %q, %v; want an error", ips, err)
 	}
 	for _, none := range []string{`null`, `""`, `"none"`, `"0"`, `"false"`, `"ok"`, `false`} {
-		if ips, err = call(`{"data":[],"error":` + none + `}`).NetworkErrors(ctx, 101); err != nil || len(ips) != 0 {
+		if ips, err = call(`{"data":[],"error":`+none+`}`).NetworkErrors(ctx, 101); err != nil || len(ips) != 0 {
 			t.Errorf("NetworkErrors(empty, error %s) = %q, %v; want an empty list", none, ips, err)
 		}
 	}

@@ -41,7 +41,7 @@ type listenerObserver struct {
 	// requests counts plain HTTP requests by result (an outcome out of
 	// range, a caller bug, is not counted).
 	requests [forward.NumOutcomes]atomic.Uint64
-	dial    [len(dialProtocols)]dialHistogram
+	dial     [len(dialProtocols)]dialHistogram
 }
 
 // dialHistogram holds non-cumulative bucket counts (the last one is +Inf)
