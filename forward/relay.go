@@ -139,7 +139,9 @@ func (t *tunnel) watchLast(dst net.Conn) {
 			return
 		}
 		seen, took = s, a
-		t.watch.Load().Reset(t.idle)
+		if w := t.watch.Load(); w != nil { // nil only if it fired before it was stored
+			w.Reset(t.idle)
+		}
 	}))
 }
 

@@ -204,3 +204,42 @@ func TestRelayUrgentData(t *testing.T) {
 		t.Fatalf("client got %q, %v; want \"abcdef\" and EOF", got, err)
 	}
 }
+
+// A buffered copy of a direction's queue (a TLS upstream, urgent data)
+// counts each write as the tunnel's progress, not only its end: the
+// queue may be megabytes, and watchLast must see a slow reader take them.
+func TestBufferedCopyTouchesEachWrite(t *testing.T) {
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	tu := &tunnel{idle: time.Minute}
+	var touches []int64
+	done := make(chan struct{})
+	go func() { // a reader taking 32 KiB at a time, noting the tunnel's last touch
+		defer close(done)
+		buf := make([]byte, 32<<10)
+		for {
+			if _, err := io.ReadFull(b, buf); err != nil {
+				return
+			}
+			touches = append(touches, tu.lastSeen.Load())
+		}
+	}()
+	src := io.LimitedReader{R: bytes.NewReader(make([]byte, 4*copyBufSize)), N: 4 * copyBufSize}
+	if n, err := tu.copyBuffered(a, &src); err != nil || n != 4*copyBufSize {
+		t.Fatalf("copied %d, %v", n, err)
+	}
+	a.Close()
+	<-done
+	// The reader notes the last touch as each write ends: all but the
+	// first of its notes follow a write that touched.
+	seen := 0
+	for _, v := range touches {
+		if v != 0 {
+			seen++
+		}
+	}
+	if seen < 2 {
+		t.Errorf("touches seen by the reader: %v, want one per write", touches)
+	}
+}

@@ -47,12 +47,12 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 			return n
 		}
 		w.lr.N = int64(w.queued)
-		m, err := copyQueued(dst, &w.lr)
+		m, err := t.copyQueued(dst, &w.lr)
 		if m == 0 && err == nil {
 			// A splice stops at TCP urgent data and moves nothing, while
 			// the queue still counts the bytes behind it; a read steps
 			// over the urgent byte, as it does for any relay that reads.
-			m, err = copyBuffered(dst, &w.lr)
+			m, err = t.copyBuffered(dst, &w.lr)
 		}
 		n += m
 		t.touch()
@@ -65,19 +65,35 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 
 // copyQueued copies what lr allows: by splicing when dst is TCP, else
 // through a pooled buffer.
-func copyQueued(dst net.Conn, lr *io.LimitedReader) (int64, error) {
+func (t *tunnel) copyQueued(dst net.Conn, lr *io.LimitedReader) (int64, error) {
 	if d, ok := dst.(*net.TCPConn); ok {
 		return d.ReadFrom(lr)
 	}
-	return copyBuffered(dst, lr)
+	return t.copyBuffered(dst, lr)
 }
 
 // copyBuffered copies what lr allows through a pooled buffer (io.Copy
-// would allocate one per call, or splice).
-func copyBuffered(dst net.Conn, lr *io.LimitedReader) (int64, error) {
+// would allocate one per call, or splice), each write counting as the
+// tunnel's progress: the queue it copies may be megabytes, which a slow
+// reader takes longer than idle_timeout to take (watchLast).
+func (t *tunnel) copyBuffered(dst net.Conn, lr *io.LimitedReader) (int64, error) {
 	bp := copyBufs.Get().(*[]byte)
 	defer copyBufs.Put(bp)
-	return io.CopyBuffer(struct{ io.Writer }{dst}, lr, *bp)
+	return io.CopyBuffer(touchingWriter{t, dst}, lr, *bp)
+}
+
+// touchingWriter is a tunnel's dst whose every write touches the tunnel.
+type touchingWriter struct {
+	t *tunnel
+	w io.Writer
+}
+
+func (tw touchingWriter) Write(p []byte) (int, error) {
+	n, err := tw.w.Write(p)
+	if n > 0 {
+		tw.t.touch()
+	}
+	return n, err
 }
 
 // queueWait is the check a direction makes inside src's readiness wait,

@@ -11,5 +11,5 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 }
 
 // acked: no measure of a reader's progress here; watchLast goes by the
-// bytes read (a buffered write is at most copyBufSize).
+// bytes read (pumpBuffered's writes are at most copyBufSize).
 func acked(net.Conn) uint64 { return 0 }

@@ -262,7 +262,7 @@ func (d *daemon) applyConfig(next config) error {
 	}
 	if p.client != nil && p.client.changed {
 		was := d.api.Timeout
-		if time.Now().Before(d.slowUntil) {
+		if time.Now().Before(d.slowUntil) || d.poller.OlderRounds() {
 			was = max(was, d.slowTimeout) // an older client's requests too
 		}
 		if was > p.client.api.Timeout {
