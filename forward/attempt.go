@@ -703,6 +703,18 @@ func gatewayAnswer(t *try, r *tryResult) bool {
 	return t.up.Protocol == pool.HTTP && r.resp != nil && failureStatus(r.resp.StatusCode)
 }
 
+// answerOutcome is how a connection whose request got a destination's
+// answer with status is counted. A 502, 503 or 504: the destination
+// failed, or an HTTP upstream could not get its answer (which of the two,
+// the answer does not always say). Nobody is blamed, as for a CONNECT's
+// 502; but the connection did not reach a working destination.
+func answerOutcome(status int) Outcome {
+	if failureStatus(status) {
+		return OutcomeDestinationError
+	}
+	return OutcomeOK
+}
+
 // failureStatus reports whether an answer's status says that the
 // destination (or a gateway on its behalf) could not answer: 502, 503, 504.
 func failureStatus(code int) bool {

@@ -332,11 +332,7 @@ func (hc *httpConn) serveUpgrade(req *http.Request, body *requestBody, key strin
 		// outcome too; a client that stalls the copy makes it the
 		// client's), and close this origin connection.
 		stripHop(resp.Header, false)
-		if failureStatus(resp.StatusCode) {
-			cc.setOutcome(OutcomeDestinationError)
-		} else {
-			cc.setOutcome(OutcomeOK)
-		}
+		cc.setOutcome(answerOutcome(resp.StatusCode))
 		resp.Body = &idleBody{Reader: resp.Body, conn: upc, idle: l.cfg.IdleTimeout, flush: hc.flush}
 		keep := hc.writeAnswer(req, body, resp)
 		l.release(up, key) // writeAnswer closed upc

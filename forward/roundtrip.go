@@ -409,15 +409,7 @@ func (l *Listener) roundTrip(ctx context.Context, cc *clientConn, req *http.Requ
 		w.cancel(nil)
 		l.release(w.up, key)
 	}}
-	if failureStatus(resp.StatusCode) {
-		// A 502, 503 or 504: the destination failed, or an HTTP upstream
-		// could not get its answer (which of the two, the answer does not
-		// always say). Nobody is blamed, as for a CONNECT's 502; but the
-		// connection did not reach a working destination.
-		cc.setOutcome(OutcomeDestinationError)
-	} else {
-		cc.setOutcome(OutcomeOK)
-	}
+	cc.setOutcome(answerOutcome(resp.StatusCode))
 	return resp
 }
 

@@ -259,7 +259,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 					return sh.held(e, u)
 				}
 			}
-			if r := h.rotation(); r != nil || h.flags.Load()&fRotating != 0 {
+			if r := h.rotation(); r != nil || rotating(h) {
 				sh.mu.Unlock()
 				if r == nil && ends < maxRotationEnds {
 					// Its rotation is ending: the bit goes under Pool.mu
@@ -307,7 +307,7 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 				sh.mu.Unlock()
 				return u, err
 			}
-			if fa := (filter{quota: true, clock: p.fastNow}); h.rotation() != nil || h.flags.Load()&fRotating != 0 || fa.eligible(h) {
+			if fa := (filter{quota: true, clock: p.fastNow}); rotating(h) || fa.eligible(h) {
 				// A rotation began, or one began and ended, while this
 				// pick looked: the key stays; look again, to wait for it
 				// or fall back.
@@ -334,6 +334,10 @@ func (p *Pool) pickSticky(ctx context.Context, sl *slice, req Request) (*Upstrea
 		return u, nil
 	}
 }
+
+// rotating reports whether h's session rotates, or its rotating bit is
+// still set (a rotation that just ended clears it under Pool.mu).
+func rotating(h *host) bool { return h.rotation() != nil || h.flags.Load()&fRotating != 0 }
 
 // maxRotationEnds bounds how often one pick waits for the end of a
 // rotation to clear its session's bit before it falls back: rotations that

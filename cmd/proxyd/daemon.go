@@ -406,11 +406,18 @@ func (d *daemon) heartbeatAge(now time.Time) time.Duration {
 	older := d.poller.OlderRounds()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	bound := d.cfg.API.Timeout
+	return max(d.cfg.API.Timeout, d.oldTimeout(now, older)) + 10*time.Second
+}
+
+// oldTimeout is the timeout that requests of a client a reload replaced
+// may still run with: slowTimeout while they may (in flight until
+// slowUntil, or made by rounds begun before the reload: older), else 0.
+// d.mu is held.
+func (d *daemon) oldTimeout(now time.Time, older bool) time.Duration {
 	if now.Before(d.slowUntil) || older {
-		bound = max(bound, d.slowTimeout)
+		return d.slowTimeout
 	}
-	return bound + 10*time.Second
+	return 0
 }
 
 // notified logs a message systemd did not take; the daemon goes on.

@@ -261,10 +261,7 @@ func (d *daemon) applyConfig(next config) error {
 		}
 	}
 	if p.client != nil && p.client.changed {
-		was := d.api.Timeout
-		if time.Now().Before(d.slowUntil) || d.poller.OlderRounds() {
-			was = max(was, d.slowTimeout) // an older client's requests too
-		}
+		was := max(d.api.Timeout, d.oldTimeout(time.Now(), d.poller.OlderRounds())) // an older client's requests too
 		if was > p.client.api.Timeout {
 			// Requests of the old client may still run that long.
 			d.slowTimeout, d.slowUntil = was, time.Now().Add(was)
