@@ -470,6 +470,25 @@ func TestPollerSeedCountsWhatUpstreamsCameFrom(t *testing.T) {
 	}
 }
 
+// httpEntries is n http-auth list entries, 10.0.1.1 on.
+func httpEntries(n int) []providersim.Entry {
+	var out []providersim.Entry
+	for i := range n {
+		out = append(out, providersim.Entry{Host: fmt.Sprintf("10.0.1.%d", i+1), Port: 8080, Login: "u", Password: "p"})
+	}
+	return out
+}
+
+// pollAccountAndLists runs one account round, then one lists round.
+func pollAccountAndLists(t *testing.T, p *Poller) {
+	t.Helper()
+	for _, l := range []Loop{LoopAccount, LoopLists} {
+		if err := p.PollOnce(context.Background(), l); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // After a restart the daemon seeds the sizes it serves from its state: an
 // empty or much smaller first list then needs confirmation like any other.
 func TestPollerFirstPollAfterRestartNeedsConfirmation(t *testing.T) {
@@ -1315,10 +1334,7 @@ func TestPollerConfirmsFirstEmptyListSoon(t *testing.T) {
 // retries while another of its lists fails. On a fake clock.
 func TestPollerShrinkNotConfirmedEarly(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
-	var ten []providersim.Entry
-	for i := range 10 {
-		ten = append(ten, providersim.Entry{Host: fmt.Sprintf("10.0.1.%d", i+1), Port: 8080, Login: "u", Password: "p"})
-	}
+	ten := httpEntries(10)
 	one := ten[:1]
 	clock := newFakeClock()
 	var failSocks atomic.Bool
@@ -1335,11 +1351,7 @@ func TestPollerShrinkNotConfirmedEarly(t *testing.T) {
 	ctx := context.Background()
 	entries := func() int { return len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]) }
 	sim.SetEntries(101, "http-auth", ten)
-	for _, l := range []Loop{LoopAccount, LoopLists} {
-		if err := p.PollOnce(ctx, l); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pollAccountAndLists(t, p)
 
 	// Kicked 1s after the round that brought the small list.
 	sim.SetEntries(101, "http-auth", one)
@@ -1386,10 +1398,7 @@ func TestPollerShrinkNotConfirmedEarly(t *testing.T) {
 // another claim and waits from its own poll.
 func TestPollerShrinkOfMovingSizeConfirmed(t *testing.T) {
 	sim := providersim.New(providersim.Config{})
-	var ten []providersim.Entry
-	for i := range 10 {
-		ten = append(ten, providersim.Entry{Host: fmt.Sprintf("10.0.1.%d", i+1), Port: 8080, Login: "u", Password: "p"})
-	}
+	ten := httpEntries(10)
 	clock := newFakeClock()
 	c, _ := countPaths(t, sim, clock, func(string) bool { return false }, "/api/iplist/http-auth/")
 	p, err := NewPoller(c, pollConfig(func(c *PollConfig) {
@@ -1399,14 +1408,9 @@ func TestPollerShrinkOfMovingSizeConfirmed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
 	entries := func() int { return len(serviceByID(p.Snapshot(), 101).Lists["http-auth"]) }
 	sim.SetEntries(101, "http-auth", ten)
-	for _, l := range []Loop{LoopAccount, LoopLists} {
-		if err := p.PollOnce(ctx, l); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pollAccountAndLists(t, p)
 	sim.SetEntries(101, "http-auth", ten[:2])
 	step(t, p, clock, LoopLists) // 1m: far smaller, held
 	if n := entries(); n != 10 {

@@ -186,14 +186,7 @@ func TestUnreachableDestinationBlamesNoUpstream(t *testing.T) {
 // small from the start, so that what it reads is what moves on the wire.
 func TestHalfCloseMidDownloadSlowReaderKeepsTunnel(t *testing.T) {
 	checkLeaks(t)
-	flood := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
-		buf := make([]byte, 64<<10)
-		for {
-			if _, err := c.Write(buf); err != nil {
-				return
-			}
-		}
-	})
+	flood := floodOrigin(t)
 	const idle = time.Second
 	p := newFakePool(newHTTPUpstream(t, "", "", nil).upstream(1))
 	tl := startListener(t, testConfig(func(c *Config) {

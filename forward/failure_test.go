@@ -1074,14 +1074,7 @@ func TestHTTPSRequestIsNotHedged(t *testing.T) {
 // however slowly, keeps it.
 func TestHalfClosedTunnelStalledReaderEnds(t *testing.T) {
 	checkLeaks(t)
-	flood := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
-		buf := make([]byte, 64<<10)
-		for {
-			if _, err := c.Write(buf); err != nil {
-				return
-			}
-		}
-	})
+	flood := floodOrigin(t)
 	const idle = 300 * time.Millisecond
 	for _, reads := range []bool{false, true} {
 		t.Run(fmt.Sprintf("reads=%v", reads), func(t *testing.T) {
@@ -1140,4 +1133,16 @@ func TestSOCKSRefusalClosesWithoutReset(t *testing.T) {
 	if len(got) < 4 || got[0] != 5 || got[1] != 0 || got[2] != 5 || got[3] != socks5.ReplyNotAllowed {
 		t.Errorf("answer % x, want the method choice and reply 0x02", got)
 	}
+}
+
+// floodOrigin writes to every connection without end, reading nothing.
+func floodOrigin(t *testing.T) string {
+	return startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+		}
+	})
 }

@@ -439,14 +439,7 @@ func TestUpgradeOriginFailsIsTheDestinations(t *testing.T) {
 		status int
 	}{{"silent origin", "", http.StatusGatewayTimeout}, {"garbage", "SSH-2.0-nothing-like-http\r\n\r\n", http.StatusBadGateway}} {
 		t.Run(tc.name, func(t *testing.T) {
-			origin := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
-				br := bufio.NewReader(c)
-				if _, err := http.ReadRequest(br); err != nil {
-					return
-				}
-				_, _ = io.WriteString(c, tc.answer)
-				_, _ = io.Copy(io.Discard, br)
-			})
+			origin := answeringOrigin(t, tc.answer)
 			u := newHTTPUpstream(t, "", "", nil)
 			p := newFakePool(u.upstream(1))
 			const respTimeout = 300 * time.Millisecond
@@ -491,14 +484,7 @@ func TestUpgradeRefusedAnswerIsBounded(t *testing.T) {
 		{"503", "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy", "busy", OutcomeDestinationError},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			origin := startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
-				br := bufio.NewReader(c)
-				if _, err := http.ReadRequest(br); err != nil {
-					return
-				}
-				_, _ = io.WriteString(c, tc.answer)
-				_, _ = io.Copy(io.Discard, br) // until proxyd closes
-			})
+			origin := answeringOrigin(t, tc.answer)
 			u := newHTTPUpstream(t, "", "", nil)
 			p := newFakePool(u.upstream(1))
 			const idle = 300 * time.Millisecond
@@ -580,4 +566,17 @@ func TestEachPlainRequestCounted(t *testing.T) {
 	if got, want := tl.obs.Requests(), []Outcome{OutcomeNoUpstream, OutcomeOK, OutcomeClientError}; !slices.Equal(got, want) {
 		t.Errorf("requests counted %v, want %v", got, want)
 	}
+}
+
+// answeringOrigin reads one request, writes answer (raw bytes, "" for
+// nothing) and reads on until the other side closes.
+func answeringOrigin(t *testing.T, answer string) string {
+	return startTCP(t, "tcp", "127.0.0.1:0", func(c net.Conn) {
+		br := bufio.NewReader(c)
+		if _, err := http.ReadRequest(br); err != nil {
+			return
+		}
+		_, _ = io.WriteString(c, answer)
+		_, _ = io.Copy(io.Discard, br)
+	})
 }
