@@ -186,6 +186,14 @@ func TestUnreachableDestinationBlamesNoUpstream(t *testing.T) {
 // small from the start, so that what it reads is what moves on the wire.
 func TestHalfCloseMidDownloadSlowReaderKeepsTunnel(t *testing.T) {
 	checkLeaks(t)
+	for _, halfClose := range []bool{true, false} {
+		t.Run(fmt.Sprintf("halfClose=%v", halfClose), func(t *testing.T) { slowReaderKeepsTunnel(t, halfClose) })
+	}
+}
+
+// slowReaderKeepsTunnel: also with both directions running, a slow reader
+// of a large queue (one splice that outlasts idle_timeout) is progress.
+func slowReaderKeepsTunnel(t *testing.T, halfClose bool) {
 	flood := floodOrigin(t)
 	const idle = time.Second
 	p := newFakePool(newHTTPUpstream(t, "", "", nil).upstream(1))
@@ -211,7 +219,7 @@ func TestHalfCloseMidDownloadSlowReaderKeepsTunnel(t *testing.T) {
 	halfClosed := false
 	// 40 KB/s, a read every 100 ms, for 4 idle_timeouts; half-closed after 1.
 	for time.Since(start) < 4*idle {
-		if !halfClosed && time.Since(start) > idle {
+		if halfClose && !halfClosed && time.Since(start) > idle {
 			_ = c.(*net.TCPConn).CloseWrite()
 			halfClosed = true
 		}

@@ -1070,42 +1070,29 @@ func TestHTTPSRequestIsNotHedged(t *testing.T) {
 
 // A tunnel whose client half-closed and then stalls its reading, while
 // the destination keeps sending, ends at idle_timeout: once one direction
-// is over, nothing else would end it. A half-closed client that reads,
-// however slowly, keeps it.
+// is over, nothing else would end it. (That a half-closed client that
+// reads, however slowly, keeps it is TestHalfCloseMidDownloadSlowReader-
+// KeepsTunnel's, on Linux, where its receive buffer can be kept small from
+// the start: one set after the connection opened may already hold more
+// than such a reader drains within idle_timeout, and the test could not
+// tell a cut tunnel from a full buffer.)
 func TestHalfClosedTunnelStalledReaderEnds(t *testing.T) {
 	checkLeaks(t)
 	flood := floodOrigin(t)
-	const idle = 300 * time.Millisecond
-	for _, reads := range []bool{false, true} {
-		t.Run(fmt.Sprintf("reads=%v", reads), func(t *testing.T) {
-			p := newFakePool(newHTTPUpstream(t, "", "", nil).upstream(1))
-			tl := startListener(t, testConfig(func(c *Config) {
-				c.Protocol = ProtocolSOCKS5
-				c.AllowDestinations = loopbackAllowed
-				c.IdleTimeout = idle
-			}), p)
-			c, err := socksDial(tl.addr, flood)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			_ = c.(*net.TCPConn).SetReadBuffer(4096)
-			_ = c.(*net.TCPConn).CloseWrite() // done sending
-			if !reads {
-				waitFor(t, 10*time.Second, func() bool { return tl.ActiveConns() == 0 }, "the stalled half-closed tunnel to end")
-				return
-			}
-			// A slow reader: 4 KiB every 100 ms for 2 s, far more than
-			// idle_timeout, each read well within it.
-			buf := make([]byte, 4096)
-			for end := time.Now().Add(2 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
-				_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
-				if _, err := io.ReadFull(c, buf); err != nil {
-					t.Fatalf("the slow reader's tunnel ended: %v", err)
-				}
-			}
-		})
+	p := newFakePool(newHTTPUpstream(t, "", "", nil).upstream(1))
+	tl := startListener(t, testConfig(func(c *Config) {
+		c.Protocol = ProtocolSOCKS5
+		c.AllowDestinations = loopbackAllowed
+		c.IdleTimeout = 300 * time.Millisecond
+	}), p)
+	c, err := socksDial(tl.addr, flood)
+	if err != nil {
+		t.Fatal(err)
 	}
+	defer c.Close()
+	_ = c.(*net.TCPConn).SetReadBuffer(4096)
+	_ = c.(*net.TCPConn).CloseWrite() // done sending; never reads
+	waitFor(t, 10*time.Second, func() bool { return tl.ActiveConns() == 0 }, "the stalled half-closed tunnel to end")
 }
 
 // A SOCKS5 failure reply to a client that sent bytes right behind its

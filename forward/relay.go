@@ -25,6 +25,8 @@ type tunnel struct {
 	remaining atomic.Int32               // pumps still running
 	watch     atomic.Pointer[time.Timer] // watchLast's, stopped by closeBoth
 	closed    atomic.Bool                // closeBoth ran: watchLast's timer goes on no more
+	ackedA    atomic.Uint64              // a's (b's) reader's acknowledged bytes at the last look (tookMore)
+	ackedB    atomic.Uint64
 }
 
 // relay copies between the client and the upstream in two goroutines the
@@ -128,17 +130,18 @@ func (t *tunnel) halfClose(dst, src net.Conn) {
 // instead: a byte it read (lastSeen), or a byte dst's reader took (acked,
 // where the system says), is progress.
 func (t *tunnel) watchLast(dst net.Conn) {
-	seen, took := t.lastSeen.Load(), acked(dst)
+	seen := t.lastSeen.Load()
+	t.tookMore(dst) // from now
 	t.watch.Store(time.AfterFunc(t.idle, func() {
 		if t.closed.Load() {
 			return
 		}
-		s, a := t.lastSeen.Load(), acked(dst)
-		if s == seen && a == took {
+		s := t.lastSeen.Load()
+		if s == seen && !t.tookMore(dst) {
 			t.closeBoth()
 			return
 		}
-		seen, took = s, a
+		seen = s
 		if w := t.watch.Load(); w != nil { // nil only if it fired before it was stored
 			w.Reset(t.idle)
 		}
@@ -171,7 +174,7 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 			t.halfClose(dst, src)
 			return n
 		}
-		if t.stillActive(err) {
+		if t.stillActive(err, src) {
 			continue
 		}
 		t.closeBoth()
@@ -180,11 +183,25 @@ func (t *tunnel) pumpBuffered(dst, src net.Conn) int64 {
 }
 
 // stillActive reports, after a read deadline fired on a direction's
-// source, whether the other direction moved data within IdleTimeout; then
-// the direction waits on, its deadline moved out again by the next arm.
-func (t *tunnel) stillActive(err error) bool {
+// source src, whether the other direction, which writes to src, moved data
+// within IdleTimeout: a byte it read, or one src's reader took since the
+// last look (a long splice to a slow reader has not returned, yet moves);
+// then the direction waits on, its deadline moved out again by the next
+// arm.
+func (t *tunnel) stillActive(err error, src net.Conn) bool {
 	if !isTimeout(err) {
 		return false
 	}
-	return time.Since(time.Unix(0, t.lastSeen.Load())) < t.idle
+	return time.Since(time.Unix(0, t.lastSeen.Load())) < t.idle || t.tookMore(src)
+}
+
+// tookMore reports whether c's reader acknowledged bytes since the last
+// call for c (acked; never where the system does not say).
+func (t *tunnel) tookMore(c net.Conn) bool {
+	last := &t.ackedA
+	if c == t.b {
+		last = &t.ackedB
+	}
+	a := acked(c)
+	return a != 0 && last.Swap(a) != a
 }

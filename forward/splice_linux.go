@@ -36,7 +36,7 @@ func (t *tunnel) pumpTCP(dst net.Conn, src *net.TCPConn) int64 {
 			err = w.err
 		}
 		if err != nil {
-			if t.stillActive(err) {
+			if t.stillActive(err, src) {
 				continue
 			}
 			t.closeBoth()
